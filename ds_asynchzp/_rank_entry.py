@@ -1,0 +1,73 @@
+"""Child side of :mod:`ds_asynchzp.launch`: run one rank's target and record the outcome.
+
+Invoked as ``python -m ds_asynchzp._rank_entry TARGET PAYLOAD_JSON RESULT_JSON``.
+The outcome is written to RESULT_JSON as ``{"ok": true, "result": ...}`` or
+``{"ok": false, "error": "<traceback>"}``; the exit code is 0 or 1 accordingly.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import importlib
+import json
+import os
+import signal
+import sys
+import traceback
+
+
+def resolve_target(target: str):
+    """Import ``"package.module:attr[.attr...]"`` and return the named object."""
+    module_name, sep, attr_path = target.partition(":")
+    if not sep or not module_name or not attr_path:
+        raise ValueError(f"target must look like 'package.module:function', got {target!r}")
+    obj = importlib.import_module(module_name)
+    for part in attr_path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _write_atomically(path: str, text: str) -> None:
+    # Write-then-rename so the launcher never reads a half-written file from a rank
+    # that got killed mid-write.
+    tmp_path = f"{path}.tmp"
+    with open(tmp_path, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp_path, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    target, payload_path, result_path = sys.argv[1:] if argv is None else argv
+
+    # A crash in native code (segfault, abort) still leaves a Python stack in the log.
+    faulthandler.enable()
+    # The launcher stops hung ranks with SIGTERM; dumping every thread's stack first
+    # shows where the rank was stuck. chain=True then lets the default action terminate it.
+    if hasattr(faulthandler, "register"):
+        faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
+
+    try:
+        with open(payload_path, encoding="utf-8") as f:
+            payload = json.load(f)
+        result = resolve_target(target)(payload)
+        # Serialise inside the try: a non-JSON result is the worker's bug and is reported as such.
+        text = json.dumps({"ok": True, "result": result})
+        exit_code = 0
+    except BaseException:  # noqa: BLE001 - SystemExit/KeyboardInterrupt from the worker are failures too
+        error = traceback.format_exc()
+        sys.stderr.write(error)
+        text = json.dumps({"ok": False, "error": error})
+        exit_code = 1
+
+    _write_atomically(result_path, text)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return exit_code
+
+
+if __name__ == "__main__":
+    code = main()
+    # Skip interpreter teardown: once the outcome is on disk, destroying live gloo process groups whose peers
+    # have already exited can abort the process ("terminate called without an active exception") and turn a
+    # finished rank into a failure.
+    os._exit(code)

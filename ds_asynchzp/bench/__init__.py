@@ -1,0 +1,1 @@
+"""Benchmark harness: shipped corpus, small GPT model, and training-arm comparison."""

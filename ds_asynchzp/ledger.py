@@ -1,0 +1,241 @@
+"""Communication ledger: every collective of the process, ours and stock DeepSpeed's, with its bytes.
+
+DeepSpeed's ZeRO code talks only through `deepspeed.comm`, and every `deepspeed.comm` call ends in a method
+of one backend object (`deepspeed.comm.comm.cdb`; its torch backend captured the torch functions at
+construction, so wrapping `torch.distributed` would miss them). Wrapping that object's methods therefore
+sees all traffic, whichever engine issued it.
+
+Each record holds the op, the buffer bytes and the **wire bytes**: what one rank sends under the ring model
+(all-gather and reduce-scatter of a total size S over n ranks: (n-1)/n * S; all-reduce: 2(n-1)/n * S;
+point-to-point: S, counted by the sender). A record is **inter-node** when its group spans more than one node
+(for point-to-point: when the peer is on another node). The formulas in docs/ARCHITECTURE.md use the same
+model, so ledger figures and formulas are comparable to the byte.
+
+Object collectives (`broadcast_object_list`, `all_gather_object`) carry pickled Python objects of unknown
+size; they are recorded with zero bytes and their count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from dataclasses import asdict, dataclass
+from typing import Dict, Iterator, List, Optional
+
+import torch
+
+from .deepspeed_internals import comm_backend, ds_comm
+
+# method -> (op kind, positional parameter names as torch.distributed spells them, the argument whose size
+# is the collective's total size S). The backend's methods are wrapped by decorators that hide their
+# signatures, so the parameter order is written out here.
+_COLLECTIVES = {
+    "all_gather_into_tensor": ("all_gather", "output_tensor input_tensor group async_op", "output_tensor"),
+    "all_gather": ("all_gather", "tensor_list tensor group async_op", "tensor_list"),
+    "all_gather_coalesced": ("all_gather", "output_tensors input_tensors group async_op", "output_tensors"),
+    "reduce_scatter_tensor": ("reduce_scatter", "output_tensor input_tensor op group async_op", "input_tensor"),
+    "reduce_scatter": ("reduce_scatter", "output input_list op group async_op", "input_list"),
+    "all_reduce": ("all_reduce", "tensor op group async_op", "tensor"),
+    "all_reduce_coalesced": ("all_reduce", "tensors op group async_op", "tensors"),
+    "broadcast": ("broadcast", "tensor src group async_op", "tensor"),
+    "reduce": ("reduce", "tensor dst op group async_op", "tensor"),
+    "all_to_all_single": ("all_to_all", "output input output_split_sizes input_split_sizes group async_op", "input"),
+    "all_to_all": ("all_to_all", "output_tensor_list input_tensor_list group async_op", "input_tensor_list"),
+    "send": ("send", "tensor dst group tag", "tensor"),
+    "isend": ("send", "tensor dst group tag", "tensor"),
+    "recv": ("recv", "tensor src group tag", "tensor"),
+    "irecv": ("recv", "tensor src group tag", "tensor"),
+    "broadcast_object_list": ("broadcast_object", "object_list src group device", None),
+    "all_gather_object": ("all_gather_object", "object_list obj group", None),
+    "barrier": ("barrier", "group async_op device_ids", None),
+}
+
+
+@dataclass
+class CommRecord:
+    op: str
+    method: str
+    buffer_bytes: int
+    wire_bytes: float
+    group_size: int
+    group_ranks: tuple
+    inter_node: bool
+    tag: str
+
+
+def _nbytes(value) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+def _ring_wire_bytes(kind: str, total: int, n: int) -> float:
+    if n <= 1:
+        return 0.0
+    if kind == "all_reduce":
+        return 2.0 * (n - 1) / n * total
+    if kind in ("all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all"):
+        return (n - 1) / n * total
+    if kind == "send":
+        return float(total)
+    return 0.0
+
+
+class CommLedger:
+    """Process-wide record of collectives; installed once, read through `mark()` / `summary()`."""
+
+    def __init__(self, node_size: int):
+        self.node_size = node_size
+        self.records: List[CommRecord] = []
+        self._lock = threading.Lock()
+        self._tags = threading.local()
+        self._ranks_cache: Dict[int, tuple] = {}
+        self._originals: Dict[str, object] = {}
+        self._backend = None
+
+    # ------------------------------------------------------------------ install
+    def install(self) -> None:
+        backend = comm_backend()
+        if backend is None:
+            raise RuntimeError("the communication ledger needs deepspeed.comm initialised "
+                               "(call deepspeed.init_distributed() first)")
+        self._backend = backend
+        for method in _COLLECTIVES:
+            original = getattr(backend, method, None)
+            if original is None or method in self._originals:
+                continue
+            self._originals[method] = original
+            setattr(backend, method, self._wrap(method, original))
+
+    def uninstall(self) -> None:
+        for method, original in self._originals.items():
+            setattr(self._backend, method, original)
+        self._originals.clear()
+
+    def _wrap(self, method: str, original):
+        kind, names, size_arg = _COLLECTIVES[method]
+        names = names.split()
+
+        def recorded(*args, **kwargs):
+            arguments = dict(zip(names, args))
+            arguments.update(kwargs)
+            self._record(method, kind, size_arg, arguments)
+            return original(*args, **kwargs)
+
+        recorded.__wrapped__ = original
+        return recorded
+
+    # ------------------------------------------------------------------ recording
+    def _group_ranks(self, group) -> tuple:
+        key = id(group) if group is not None else 0
+        ranks = self._ranks_cache.get(key)
+        if ranks is None:
+            if group is None:
+                world = self._backend.get_world_size()
+                ranks = tuple(range(world))
+            else:
+                ranks = tuple(self._backend.get_global_rank(group, i)
+                              for i in range(self._backend.get_world_size(group)))
+            self._ranks_cache[key] = ranks
+        return ranks
+
+    def _record(self, method: str, kind: str, size_arg: Optional[str], arguments: dict) -> None:
+        group = arguments.get("group")
+        ranks = self._group_ranks(group)
+        n = len(ranks)
+        total = _nbytes(arguments.get(size_arg)) if size_arg else 0
+        if kind in ("send", "recv"):
+            peer = arguments.get("dst") if kind == "send" else arguments.get("src")
+            me = self._backend.get_rank()
+            inter = peer is not None and peer // self.node_size != me // self.node_size
+            wire = float(total) if kind == "send" else 0.0
+            ranks, n = (me, peer), 2
+        else:
+            inter = len({r // self.node_size for r in ranks}) > 1
+            wire = _ring_wire_bytes(kind, total, n)
+        record = CommRecord(op=kind, method=method, buffer_bytes=total, wire_bytes=wire, group_size=n,
+                            group_ranks=tuple(ranks), inter_node=inter, tag=self.current_tag())
+        with self._lock:
+            self.records.append(record)
+
+    # ------------------------------------------------------------------ tags
+    def current_tag(self) -> str:
+        stack = getattr(self._tags, "stack", None)
+        return stack[-1] if stack else ""
+
+    @contextlib.contextmanager
+    def tagged(self, tag: str) -> Iterator[None]:
+        """Label the collectives issued inside the block (per thread)."""
+        stack = getattr(self._tags, "stack", None)
+        if stack is None:
+            stack = self._tags.stack = []
+        stack.append(tag)
+        try:
+            yield
+        finally:
+            stack.pop()
+
+    # ------------------------------------------------------------------ reading
+    def mark(self) -> int:
+        with self._lock:
+            return len(self.records)
+
+    def since(self, mark: int = 0, until: Optional[int] = None) -> List[CommRecord]:
+        with self._lock:
+            return list(self.records[mark:until])
+
+    def summary(self, mark: int = 0, until: Optional[int] = None) -> dict:
+        """Wire bytes intra/inter node, and per op kind, of the records in [mark, until)."""
+        out = {"intra_node": 0.0, "inter_node": 0.0, "calls": 0, "by_op": {}}
+        for record in self.since(mark, until):
+            where = "inter_node" if record.inter_node else "intra_node"
+            out[where] += record.wire_bytes
+            out["calls"] += 1
+            per_op = out["by_op"].setdefault(record.op, {"intra_node": 0.0, "inter_node": 0.0, "calls": 0})
+            per_op[where] += record.wire_bytes
+            per_op["calls"] += 1
+        return out
+
+    def records_as_dicts(self, mark: int = 0, until: Optional[int] = None) -> List[dict]:
+        return [asdict(r) for r in self.since(mark, until)]
+
+
+_LEDGER: Optional[CommLedger] = None
+
+
+def default_node_size() -> int:
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        if os.environ.get(name):
+            return int(os.environ[name])
+    return ds_comm.get_world_size() if ds_comm.is_initialized() else 1
+
+
+def install(node_size: Optional[int] = None) -> CommLedger:
+    """Start counting (idempotent). Needs `deepspeed.comm` initialised."""
+    global _LEDGER
+    if _LEDGER is None:
+        _LEDGER = CommLedger(node_size or default_node_size())
+        _LEDGER.install()
+    return _LEDGER
+
+
+def get() -> Optional[CommLedger]:
+    return _LEDGER
+
+
+def mark() -> int:
+    return _LEDGER.mark() if _LEDGER else 0
+
+
+def summary(mark: int = 0, until: Optional[int] = None) -> dict:
+    if _LEDGER is None:
+        raise RuntimeError("the communication ledger is not installed: call ds_asynchzp.ledger.install() "
+                           "after deepspeed.init_distributed()")
+    return _LEDGER.summary(mark, until)
+
+
+def tagged(tag: str):
+    return _LEDGER.tagged(tag) if _LEDGER else contextlib.nullcontext()

@@ -1,0 +1,72 @@
+"""Tiny worker functions run by tests/test_launch.py inside launched ranks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+
+def _rank() -> int:
+    return int(os.environ["RANK"])
+
+
+def _record_pid(payload: dict, name: str, pid: int) -> None:
+    pid_dir = payload.get("pid_dir")
+    if pid_dir:
+        with open(os.path.join(pid_dir, f"{name}.pid"), "w") as f:
+            f.write(str(pid))
+
+
+def env_and_allreduce(payload: dict) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method="env://")
+    value = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(value)
+    result = {
+        "rank": _rank(),
+        "local_rank": int(os.environ["LOCAL_RANK"]),
+        "node": int(os.environ["NODE_RANK"]),
+        "cross_size": int(os.environ["CROSS_SIZE"]),
+        "world_size": dist.get_world_size(),
+        "dist_rank": dist.get_rank(),
+        "allreduce_sum": value.item(),
+        "echo": payload["echo"],
+    }
+    dist.destroy_process_group()
+    return result
+
+
+def raise_on_rank1(payload: dict) -> dict:
+    if _rank() == 1:
+        raise ValueError("boom-42")
+    time.sleep(120)  # peers hang, as they would in a collective; the launcher must kill them
+    return {}
+
+
+def hang_on_rank1(payload: dict) -> dict:
+    _record_pid(payload, f"rank{_rank()}", os.getpid())
+    if _rank() != 1:
+        return {"rank": _rank()}
+    # A grandchild in the rank's process group must die with it.
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1000)"])
+    _record_pid(payload, "grandchild", child.pid)
+    while True:
+        time.sleep(1)
+
+
+def exit3_on_rank1(payload: dict) -> dict:
+    if _rank() == 1:
+        print("about to die without a result", flush=True)
+        os._exit(3)
+    time.sleep(120)
+    return {}
+
+
+def sleep_forever(payload: dict) -> dict:
+    _record_pid(payload, f"rank{_rank()}", os.getpid())
+    while True:
+        time.sleep(1)
