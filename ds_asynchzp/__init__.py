@@ -49,7 +49,7 @@ def _world_sizes() -> tuple:
 
 def _model_numel(model) -> list:
     # Parameters built under deepspeed.zero.Init are already partitioned: their full size is ds_numel.
-    return [getattr(p, "ds_numel", p.numel()) for p in model.parameters()] if model is not None else []
+    return [getattr(p, "ds_numel", p.numel()) for p in model.parameters()]
 
 
 def resolve_for_initialize(*args, **kwargs) -> ResolvedLayout | None:
@@ -65,9 +65,10 @@ def resolve_for_initialize(*args, **kwargs) -> ResolvedLayout | None:
         raise AsyncHZPConfigError("mpu", "model parallelism (an mpu) is not supported with async_hzp yet.",
                                   "remove the async_hzp section, or train without an mpu.")
     world, local = _world_sizes()
+    model = arguments.get("model")
     return resolve_layout(config, world, local,
                           has_client_optimizer=arguments.get("optimizer") is not None,
-                          num_parameters=padded_num_params(_model_numel(arguments.get("model")), world))
+                          num_parameters=padded_num_params(_model_numel(model), world) if model is not None else None)
 
 
 @functools.wraps(_ORIGINAL_INITIALIZE)

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import difflib
 import json
-import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +42,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from . import sizing
 
-logger = logging.getLogger(__name__)
 
 SECTION = "async_hzp"
 _PositiveInt = Annotated[int, Field(ge=1)]
@@ -200,6 +198,7 @@ class ResolvedLayout:
     param_shard_size: int
     grad_shard_size: int
     optimizer_shard_size: int
+    log_layout: bool = True
 
     def describe(self) -> str:
         w = self.world_size
@@ -393,7 +392,5 @@ def resolve_layout(
     if issues:
         raise AsyncHZPConfigError(issues)
 
-    layout = ResolvedLayout(world, node, world // node, d_p, d_g, d_o)
-    if section.log_layout and os.environ.get("RANK", "0") == "0":
-        logger.info(layout.describe())
-    return layout
+    # Logged by the engine once its process groups exist (rank 0 only).
+    return ResolvedLayout(world, node, world // node, d_p, d_g, d_o, log_layout=section.log_layout)

@@ -137,6 +137,21 @@ def wrap_partition(param, after_partition: Callable) -> None:
     param.partition = partition
 
 
+def stage3_model_state_tensors(optimizer, module) -> dict:
+    """The tensors that hold model states under a (stock or hierarchical) Stage 3 optimizer, by role."""
+    params = [p for p in module.parameters() if is_zero_param(p)]
+    optimizer_state = []
+    for state in getattr(optimizer, "optimizer").state.values():
+        optimizer_state.extend(v for v in state.values() if hasattr(v, "untyped_storage") and v.dim() > 0)
+    return {
+        "param_primary": [p.ds_tensor for p in params],
+        "param_secondary": [p.ds_secondary_tensor for p in params if p.ds_secondary_tensor is not None],
+        "master": [t for t in optimizer.fp32_partitioned_groups_flat if t is not None],
+        "optimizer_state": optimizer_state,
+        "grad_primary": [optimizer.grad_partitions_flat_buffer],
+    }
+
+
 # ------------------------------------------------------------------------------------------------- comm
 def comm_backend():
     """The object whose methods every `deepspeed.comm` collective ends in (`deepspeed.comm.comm.cdb`)."""
@@ -148,5 +163,5 @@ __all__ = [
     "DeepSpeedEngine", "DeepSpeedZeroOptimizer_Stage3", "ZeroParamStatus", "SUPPORTED_DEEPSPEED_VERSION",
     "DeepSpeedInternalsError", "engine_class_swapped", "stage3_optimizer_class_swapped", "grad_partition_of",
     "is_zero_param", "primary_partition", "mark_inflight", "mark_available", "install_gather", "wrap_partition",
-    "comm_backend", "ds_comm",
+    "comm_backend", "ds_comm", "stage3_model_state_tensors",
 ]

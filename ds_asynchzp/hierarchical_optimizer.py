@@ -15,10 +15,10 @@ gradient accumulation buffer; `ProcessGroups` owns every group.
 
 from __future__ import annotations
 
-import logging
 from typing import List
 
 import torch
+from deepspeed.utils import log_dist
 
 from . import ledger
 from .config import ResolvedLayout
@@ -27,8 +27,6 @@ from .deepspeed_internals import (STAGE3_AVG_SCATTER_GRADS, DeepSpeedZeroOptimiz
 from .grad_shards import GradShards
 from .param_shards import ParamShards
 from .rank_grid import build_process_groups
-
-logger = logging.getLogger("ds_asynchzp")
 
 
 class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
@@ -51,8 +49,8 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             (p for group in self.fp16_groups for p in group), key=lambda p: p.ds_id)
         self.hzp_params = ParamShards(list(all_params.values()), self.hzp_groups)
         self.hzp_grads = GradShards(self.hzp_trainable, self.hzp_groups, layout.world_size)
-        if getattr(layout, "log_layout", True) and ds_comm.get_rank() == 0:
-            logger.info("AsyncHZP layout: %s", layout.describe())
+        if layout.log_layout:
+            log_dist(layout.describe(), ranks=[0])
 
     # ------------------------------------------------------------------------------- per micro-step
     @torch.no_grad()

@@ -1,0 +1,138 @@
+"""Rank-side code of the multi-rank tests (run by ds_asynchzp.launch in fresh processes).
+
+One launch trains several cases one after another on the same ranks (process start-up dominates the cost on a
+small machine), and compares each case with its stock ZeRO-3 baseline in-process.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import deepspeed
+import torch
+
+import ds_asynchzp
+from ds_asynchzp import ledger
+from ds_asynchzp.bench.data import batch_for
+from ds_asynchzp.bench.model import build_model
+from ds_asynchzp.memory import model_state_bytes
+
+ZERO3_KNOBS = {
+    "stage": 3,
+    "stage3_param_persistence_threshold": 0,
+    "stage3_model_persistence_threshold": 0,
+    "stage3_max_live_parameters": 0,
+    "stage3_max_reuse_distance": 0,
+    "stage3_prefetch_bucket_size": 0,
+    "reduce_bucket_size": 20000,
+    "overlap_comm": False,
+}
+
+
+def ds_config(case: dict) -> dict:
+    config = {
+        "train_micro_batch_size_per_gpu": case.get("micro_batch", 2),
+        "gradient_accumulation_steps": case["gas"],
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
+        "gradient_clipping": case.get("clip", 1.0),
+        "zero_optimization": dict(ZERO3_KNOBS, **case.get("zero", {})),
+        "steps_per_print": 10**9,
+    }
+    if case.get("dtype") == "bf16":
+        config["bf16"] = {"enabled": True}
+    if case.get("dtype") == "fp16":
+        config["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    if case.get("async_hzp") is not None:
+        config["async_hzp"] = case["async_hzp"]
+    return config
+
+
+def _padded(numel: int, world: int) -> int:
+    return world * math.ceil(numel / world)
+
+
+def _element_counts(model, world: int) -> dict:
+    """P_g, P_r, P_t of ds_asynchzp.traffic (padded element counts)."""
+    counts = {"gathered": 0, "reduced": 0, "trainable": 0, "all": 0}
+    # ZeRO-3 fetches a module's own parameters when the module runs: a tied weight is gathered once per module.
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            counts["gathered"] += _padded(getattr(param, "ds_numel", param.numel()), world)
+    for name, param in model.named_parameters():
+        numel = _padded(getattr(param, "ds_numel", param.numel()), world)
+        counts["all"] += numel
+        if param.requires_grad:
+            counts["trainable"] += numel
+            if name != "unused":
+                counts["reduced"] += numel
+    return counts
+
+
+def _full_params(engine) -> dict:
+    out = {}
+    for name, param in engine.module.named_parameters():
+        with deepspeed.zero.GatheredParameters([param]):
+            out[name] = param.detach().float().clone()
+    return out
+
+
+def train_case(case: dict) -> dict:
+    rank, world = deepspeed.comm.get_rank(), deepspeed.comm.get_world_size()
+    torch.manual_seed(case.get("seed", 7))
+    if case.get("zero_init"):
+        with deepspeed.zero.Init(config_dict_or_path=ds_config(case)):
+            model = build_model(case.get("model", "tiny"), seed=case.get("seed", 7))
+    else:
+        model = build_model(case.get("model", "tiny"), seed=case.get("seed", 7))
+    init = deepspeed.initialize if case.get("plain_deepspeed_initialize") else ds_asynchzp.initialize
+    engine, *_ = init(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                      config=ds_config(case))
+    losses, steps = [], []
+    for step in range(case["steps"]):
+        mark, total = ledger.mark(), 0.0
+        for micro in range(case["gas"]):
+            x, y = batch_for(step, micro, rank, world, case.get("micro_batch", 2), case.get("seq_len", 32), seed=11)
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            total += loss.item()
+        losses.append(total / case["gas"])
+        steps.append(ledger.summary(mark))
+    result = {
+        "losses": losses,
+        "ledger_steps": steps,
+        "optimizer_class": type(engine.optimizer).__name__,
+        "model_state_bytes": model_state_bytes(engine),
+        "elements": _element_counts(engine.module, world),
+        "grad_norm": float(engine.get_global_grad_norm()),
+    }
+    result["final_params"] = _full_params(engine)
+    engine.destroy()
+    return result
+
+
+def run_cases(payload: dict) -> dict:
+    """Train each case; a case with "compare_to" reports max relative differences against that case."""
+    deepspeed.init_distributed(dist_backend="gloo")
+    ledger.install()
+    if payload.get("register"):
+        ds_asynchzp.register()
+    results = {}
+    for case in payload["cases"]:
+        result = train_case(case)
+        baseline = results.get(case.get("compare_to"))
+        if baseline is not None:
+            result["max_loss_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], baseline["losses"]))
+            result["bit_identical_losses"] = result["losses"] == baseline["losses"]
+            result["param_rel_diff"] = {
+                n: float((result["final_params"][n] - t).abs().max() / t.abs().max().clamp_min(1e-30))
+                for n, t in baseline["final_params"].items()}
+            delta = sum(float((result["final_params"][n] - t).pow(2).sum()) for n, t in baseline["final_params"].items())
+            norm = sum(float(t.pow(2).sum()) for t in baseline["final_params"].values())
+            result["param_rel_l2_diff"] = math.sqrt(delta / norm)
+        results[case["name"]] = result
+    for result in results.values():
+        result.pop("final_params")
+    results["rank"] = int(os.environ["RANK"])
+    return results
