@@ -6,8 +6,10 @@ small machine), and compares each case with its stock ZeRO-3 baseline in-process
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
+import tempfile
 
 import deepspeed
 import torch
@@ -15,7 +17,7 @@ import torch
 import ds_asynchzp
 from ds_asynchzp import ledger
 from ds_asynchzp.bench.data import batch_for
-from ds_asynchzp.bench.model import build_model
+from ds_asynchzp.bench.model import MODEL_PRESETS, build_model
 from ds_asynchzp.memory import model_state_bytes
 
 ZERO3_KNOBS = {
@@ -77,19 +79,39 @@ def _full_params(engine) -> dict:
     return out
 
 
-def train_case(case: dict) -> dict:
-    rank, world = deepspeed.comm.get_rank(), deepspeed.comm.get_world_size()
+def _build_engine(case: dict):
     torch.manual_seed(case.get("seed", 7))
+    model_config = dataclasses.replace(MODEL_PRESETS[case.get("model", "tiny")], moe_experts=case.get("moe_experts", 0))
     if case.get("zero_init"):
         with deepspeed.zero.Init(config_dict_or_path=ds_config(case)):
-            model = build_model(case.get("model", "tiny"), seed=case.get("seed", 7))
+            model = build_model(model_config, seed=case.get("seed", 7))
     else:
-        model = build_model(case.get("model", "tiny"), seed=case.get("seed", 7))
+        model = build_model(model_config, seed=case.get("seed", 7))
     init = deepspeed.initialize if case.get("plain_deepspeed_initialize") else ds_asynchzp.initialize
     engine, *_ = init(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                       config=ds_config(case))
+    return engine
+
+
+def _shared_dir(case: dict) -> str:
+    """A checkpoint directory every rank agrees on (rank 0 picks it, the others receive its name)."""
+    holder = [tempfile.mkdtemp(prefix="ahzp-ckpt-") if deepspeed.comm.get_rank() == 0 else None]
+    deepspeed.comm.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def train_case(case: dict) -> dict:
+    rank, world = deepspeed.comm.get_rank(), deepspeed.comm.get_world_size()
+    engine = _build_engine(case)
     losses, steps = [], []
     for step in range(case["steps"]):
+        if step == case.get("resume_at"):
+            # Save, throw the engine away, and continue from the checkpoint in a fresh one.
+            directory = _shared_dir(case)
+            engine.save_checkpoint(directory, tag="resume")
+            engine.destroy()
+            engine = _build_engine(dict(case, seed=case.get("seed", 7) + 1))  # different init: must be overwritten
+            engine.load_checkpoint(directory, tag="resume")
         mark, total = ledger.mark(), 0.0
         for micro in range(case["gas"]):
             x, y = batch_for(step, micro, rank, world, case.get("micro_batch", 2), case.get("seq_len", 32), seed=11)

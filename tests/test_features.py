@@ -29,6 +29,13 @@ CASES = [
      "compare_to": "zero3_zero_init"},
     {"name": "plain_initialize", "gas": GAS, "steps": STEPS, "clip": CLIP, "async_hzp": HZP,
      "plain_deepspeed_initialize": True, "compare_to": "asynchzp"},
+    # Same run, checkpointed after 2 steps and resumed in a fresh engine built from another seed.
+    {"name": "resumed", "gas": GAS, "steps": STEPS, "clip": CLIP, "async_hzp": HZP, "resume_at": 2,
+     "compare_to": "asynchzp"},
+    # Mixture-of-experts MLPs (4 experts, top-1 routing): expert weights are ordinary ZeRO-3 parameters.
+    {"name": "zero3_moe", "gas": GAS, "steps": STEPS, "moe_experts": 4},
+    {"name": "asynchzp_moe", "gas": GAS, "steps": STEPS, "moe_experts": 4, "async_hzp": HZP,
+     "compare_to": "zero3_moe"},
     {"name": "zero3_bf16", "gas": GAS, "steps": STEPS, "dtype": "bf16"},
     {"name": "asynchzp_bf16", "gas": GAS, "steps": STEPS, "dtype": "bf16", "async_hzp": HZP,
      "compare_to": "zero3_bf16"},
@@ -67,6 +74,20 @@ def test_register_makes_plain_deepspeed_initialize_honour_the_section(results):
     for rank_result in results:
         assert rank_result["plain_initialize"]["optimizer_class"] == "HierarchicalZeroOptimizer"
         assert rank_result["plain_initialize"]["bit_identical_losses"]
+
+
+def test_resume_from_checkpoint_continues_the_same_run(results):
+    for rank_result in results:
+        assert rank_result["resumed"]["bit_identical_losses"], (rank_result["resumed"]["losses"],
+                                                                rank_result["asynchzp"]["losses"])
+        assert rank_result["resumed"]["param_rel_l2_diff"] == 0.0
+
+
+def test_mixture_of_experts_matches_zero3(results):
+    for rank_result in results:
+        assert rank_result["asynchzp_moe"]["optimizer_class"] == "HierarchicalZeroOptimizer"
+        assert rank_result["asynchzp_moe"]["max_loss_rel_diff"] <= 1e-6
+        assert rank_result["asynchzp_moe"]["param_rel_l2_diff"] <= 1e-6
 
 
 def test_bf16_tracks_zero3(results):
