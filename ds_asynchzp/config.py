@@ -210,6 +210,14 @@ class ResolvedLayout:
         )
 
 
+def _param_bytes(ds_config: dict) -> int:
+    """Bytes of a working parameter element: 2 under bf16/fp16, else 4 (fp32)."""
+    for key in ("bf16", "bfloat16", "fp16"):
+        if isinstance(ds_config.get(key), dict) and ds_config[key].get("enabled", False):
+            return 2
+    return 4
+
+
 def _fmt(values: list[int]) -> str:
     return ", ".join(map(str, values))
 
@@ -382,7 +390,8 @@ def resolve_layout(
                 "pass num_parameters (the model's padded parameter count) to resolve_layout, or set integer "
                 f"sizes, e.g. {SECTION}.param_shard_size to one of {_fmt(sizing.divisors(node))}.")
         budget = None if section.memory_budget_gb is None else section.memory_budget_gb * sizing.BYTES_PER_GB
-        d_p, d_g, _ = sizing.choose_shard_sizes(num_parameters, world, node, budget)
+        d_p, d_g, _ = sizing.choose_shard_sizes(num_parameters, world, node, budget,
+                                                param_bytes=_param_bytes(ds_config))
     else:
         d_p = node if d_p is None else d_p
         d_g = d_p if d_g is None else d_g

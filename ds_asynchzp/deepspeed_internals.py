@@ -90,7 +90,7 @@ def stage3_optimizer_class_swapped(optimizer_class: type) -> Iterator[None]:
         _stage3_module.DeepSpeedZeroOptimizer_Stage3 = original
 
 
-def grad_partition_of(optimizer: DeepSpeedZeroOptimizer_Stage3, param) -> "torch.Tensor":  # noqa: F821
+def grad_partition_of(optimizer: DeepSpeedZeroOptimizer_Stage3, param):
     """The fp32 buffer that holds this rank's 1/world gradient partition handed to the optimizer step."""
     return getattr(optimizer, STAGE3_GRAD_PARTITION_BY_PARAM_ID)[param.ds_id]
 

@@ -11,8 +11,15 @@ point-to-point: S, counted by the sender). A record is **inter-node** when its g
 (for point-to-point: when the peer is on another node). The formulas in docs/ARCHITECTURE.md use the same
 model, so ledger figures and formulas are comparable to the byte.
 
+Each record also holds **link bytes**: what this rank itself sends over a node-to-node link if the backend
+runs the collective as a ring in group rank order (gloo does for all-gather, all-reduce and reduce-scatter;
+its reduce-scatter costs a full all-reduce). A rank's ring successor on another node receives (n-1)/n * S
+over the link per ring pass; a point-to-point send to another node puts S on the link. Summed over ranks,
+this predicts the byte counters of the node links, which an emulated cluster measures.
+
 Object collectives (`broadcast_object_list`, `all_gather_object`) carry pickled Python objects of unknown
-size; they are recorded with zero bytes and their count.
+size; they are recorded with zero bytes and their count. `seconds` is the time the call took on this rank:
+on CPU the collectives are synchronous, so it is communication time the step waited for.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from dataclasses import asdict, dataclass
 from typing import Dict, Iterator, List, Optional
 
@@ -62,6 +70,8 @@ class CommRecord:
     group_ranks: tuple
     inter_node: bool
     tag: str
+    link_bytes: float = 0.0
+    seconds: float = 0.0
 
 
 def _nbytes(value) -> int:
@@ -70,6 +80,10 @@ def _nbytes(value) -> int:
     if isinstance(value, (list, tuple)):
         return sum(_nbytes(v) for v in value)
     return 0
+
+
+# Ring passes a collective makes over every ring edge (gloo's reduce-scatter is an all-reduce underneath).
+_RING_PASSES = {"all_gather": 1, "broadcast": 1, "reduce": 1, "reduce_scatter": 2, "all_reduce": 2}
 
 
 def _ring_wire_bytes(kind: str, total: int, n: int) -> float:
@@ -122,8 +136,11 @@ class CommLedger:
         def recorded(*args, **kwargs):
             arguments = dict(zip(names, args))
             arguments.update(kwargs)
-            self._record(method, kind, size_arg, arguments)
-            return original(*args, **kwargs)
+            record = self._record(method, kind, size_arg, arguments)
+            started = time.perf_counter()
+            result = original(*args, **kwargs)
+            record.seconds = time.perf_counter() - started
+            return result
 
         recorded.__wrapped__ = original
         return recorded
@@ -142,7 +159,19 @@ class CommLedger:
             self._ranks_cache[key] = ranks
         return ranks
 
-    def _record(self, method: str, kind: str, size_arg: Optional[str], arguments: dict) -> None:
+    def _link_bytes(self, kind: str, total: int, ranks: tuple) -> float:
+        n = len(ranks)
+        me = self._backend.get_rank()
+        if n <= 1 or me not in ranks:
+            return 0.0
+        if kind == "all_to_all":
+            return sum(total / n for r in ranks if r // self.node_size != me // self.node_size)
+        successor = ranks[(ranks.index(me) + 1) % n]
+        if successor // self.node_size == me // self.node_size:
+            return 0.0
+        return _RING_PASSES.get(kind, 0) * (n - 1) / n * total
+
+    def _record(self, method: str, kind: str, size_arg: Optional[str], arguments: dict) -> CommRecord:
         group = arguments.get("group")
         ranks = self._group_ranks(group)
         n = len(ranks)
@@ -152,14 +181,17 @@ class CommLedger:
             me = self._backend.get_rank()
             inter = peer is not None and peer // self.node_size != me // self.node_size
             wire = float(total) if kind == "send" else 0.0
+            link = wire if inter else 0.0
             ranks, n = (me, peer), 2
         else:
             inter = len({r // self.node_size for r in ranks}) > 1
             wire = _ring_wire_bytes(kind, total, n)
+            link = self._link_bytes(kind, total, ranks)
         record = CommRecord(op=kind, method=method, buffer_bytes=total, wire_bytes=wire, group_size=n,
-                            group_ranks=tuple(ranks), inter_node=inter, tag=self.current_tag())
+                            group_ranks=tuple(ranks), inter_node=inter, tag=self.current_tag(), link_bytes=link)
         with self._lock:
             self.records.append(record)
+        return record
 
     # ------------------------------------------------------------------ tags
     def current_tag(self) -> str:
@@ -188,12 +220,15 @@ class CommLedger:
             return list(self.records[mark:until])
 
     def summary(self, mark: int = 0, until: Optional[int] = None) -> dict:
-        """Wire bytes intra/inter node, and per op kind, of the records in [mark, until)."""
-        out = {"intra_node": 0.0, "inter_node": 0.0, "calls": 0, "by_op": {}}
+        """Ring-model wire bytes intra/inter node and per op kind, predicted node-link bytes (`link_bytes`) and
+        time in collectives (`seconds`) of the records in [mark, until)."""
+        out = {"intra_node": 0.0, "inter_node": 0.0, "calls": 0, "link_bytes": 0.0, "seconds": 0.0, "by_op": {}}
         for record in self.since(mark, until):
             where = "inter_node" if record.inter_node else "intra_node"
             out[where] += record.wire_bytes
             out["calls"] += 1
+            out["link_bytes"] += record.link_bytes
+            out["seconds"] += record.seconds
             per_op = out["by_op"].setdefault(record.op, {"intra_node": 0.0, "inter_node": 0.0, "calls": 0})
             per_op[where] += record.wire_bytes
             per_op["calls"] += 1

@@ -13,8 +13,10 @@ inter-node when it spans more than one node. Symbols (docs/ARCHITECTURE.md, "Tra
 
 ZeRO-3 with persistence thresholds 0 gathers each parameter once in forward and once in backward:
     inter = A * (2 * b * P_g + b_c * P_r) * (N-1)/N                                    intra = 0
-ZeRO++ hpZ (secondary group G): the first forward after each step gathers over the world:
-    inter = (b * P_g + A * b_c * P_r) * (N-1)/N        intra = (2A - 1) * b * P_g * (G-1)/G
+ZeRO++ hpZ (secondary group G): the step drops the secondary shards of trainable parameters, so the first
+gather of each after a step goes over the world; every other gather (a tied weight's second use, frozen
+parameters, backward) uses the intra-node secondary:
+    inter = (b * P_t + A * b_c * P_r) * (N-1)/N        intra = (2A * P_g - P_t) * b * (G-1)/G
 AsyncHZP (m_x = N / k_x replicas):
     intra = A * (2 * b * P_g * (k_p-1)/k_p + b_c * P_r * (k_g-1)/k_g)
     inter = 4 * P_t / k_g * (m_g-1)/m_g + f_g * 4 * P_t / N          (boundary gradient reduction)
@@ -71,8 +73,8 @@ def zero3_bytes(t: TrafficInputs) -> dict:
 
 
 def hpz_bytes(t: TrafficInputs) -> dict:
-    inter = (t.param_bytes * t.gathered_elements + t.grad_accum * t.grad_comm_bytes * t.reduced_elements) * _ring(t.world)
-    intra = (2 * t.grad_accum - 1) * t.param_bytes * t.gathered_elements * _ring(t.node_size)
+    inter = (t.param_bytes * t.trainable_elements + t.grad_accum * t.grad_comm_bytes * t.reduced_elements) * _ring(t.world)
+    intra = (2 * t.grad_accum * t.gathered_elements - t.trainable_elements) * t.param_bytes * _ring(t.node_size)
     return _split(t, intra=intra, inter=inter)
 
 
@@ -103,3 +105,53 @@ def _split(t: TrafficInputs, intra: float, inter: float) -> dict:
     if t.world <= t.node_size:  # one node: no group can span nodes
         return {"intra_node": intra + inter, "inter_node": 0.0}
     return {"intra_node": intra, "inter_node": inter}
+
+
+# ------------------------------------------------------------------------------------- node-link bytes
+# What the node links of a real (or emulated) cluster carry, per rank, when the backend runs every collective
+# as a ring in rank order, as gloo does: only ring edges between two nodes put bytes on a link, and gloo's
+# reduce-scatter is an all-reduce underneath (two ring passes). A group of n ranks spread evenly over s nodes
+# has s such edges (s >= 2), so a fraction s/n of its members send over a link, (n-1)/n * S each per pass.
+# The ledger records the same per collective (`link_bytes`); the emulator's link counters measure it.
+GLOO_REDUCE_SCATTER_PASSES = 2
+
+
+def _link_fraction(group_size: int, nodes_spanned: int) -> float:
+    return nodes_spanned / group_size if nodes_spanned >= 2 else 0.0
+
+
+def _nodes_spanned_by_shard_group(k: int, node_size: int) -> int:
+    return max(1, k // node_size)
+
+
+def _nodes_spanned_by_replica_group(k: int, world: int, node_size: int) -> int:
+    return min(world // k, world // node_size)
+
+
+def link_bytes(arm: str, t: TrafficInputs, param_shard_size: int = None, grad_shard_size: int = None) -> float:
+    """Bytes per rank per optimizer step over node links (payload only; see module notes)."""
+    n, g, a = t.world, t.node_size, t.grad_accum
+    nodes = n // g
+    rs = GLOO_REDUCE_SCATTER_PASSES
+    world_fraction = _link_fraction(n, nodes) * _ring(n)
+    if arm == "zero3":
+        return a * (2 * t.param_bytes * t.gathered_elements + rs * t.grad_comm_bytes * t.reduced_elements) * world_fraction
+    if arm == "hpz":
+        return (t.param_bytes * t.trainable_elements + a * rs * t.grad_comm_bytes * t.reduced_elements) * world_fraction
+    if arm != "asynchzp":
+        raise ValueError(f"no node-link formula for arm {arm!r}")
+    kp, kg = param_shard_size, grad_shard_size
+    mp, mg = n // kp, n // kg
+
+    def shard(k: int) -> float:
+        return _link_fraction(k, _nodes_spanned_by_shard_group(k, g)) * _ring(k)
+
+    def replica(k: int, m: int) -> float:
+        return _link_fraction(m, _nodes_spanned_by_replica_group(k, n, g)) * _ring(m) if m > 1 else 0.0
+
+    _, grad_inter = permutation_fractions(ShardLayout(n, kg), g)
+    _, param_inter = permutation_fractions(ShardLayout(n, kp), g, inverse=True)
+    micro = a * (2 * t.param_bytes * t.gathered_elements * shard(kp) + rs * t.grad_comm_bytes * t.reduced_elements * shard(kg))
+    boundary = rs * 4 * t.trainable_elements / kg * replica(kg, mg) + grad_inter * 4 * t.trainable_elements / n
+    refresh = t.param_bytes * t.trainable_elements / kp * replica(kp, mp) + param_inter * t.param_bytes * t.trainable_elements / n
+    return micro + boundary + refresh

@@ -10,26 +10,21 @@ import dataclasses
 import math
 import os
 import tempfile
+import time
 
 import deepspeed
 import torch
 
 import ds_asynchzp
 from ds_asynchzp import ledger
+from ds_asynchzp.bench.cli import ZERO3_KNOBS as BENCH_ZERO3_KNOBS
 from ds_asynchzp.bench.data import batch_for
 from ds_asynchzp.bench.model import MODEL_PRESETS, build_model
 from ds_asynchzp.memory import model_state_bytes
 
-ZERO3_KNOBS = {
-    "stage": 3,
-    "stage3_param_persistence_threshold": 0,
-    "stage3_model_persistence_threshold": 0,
-    "stage3_max_live_parameters": 0,
-    "stage3_max_reuse_distance": 0,
-    "stage3_prefetch_bucket_size": 0,
-    "reduce_bucket_size": 20000,
-    "overlap_comm": False,
-}
+# The benchmark's ZeRO-3 knobs (every arm the same; nothing stays gathered between passes), with small
+# gradient buckets so several bucket flushes happen per backward.
+ZERO3_KNOBS = dict(BENCH_ZERO3_KNOBS, reduce_bucket_size=20000)
 
 
 def ds_config(case: dict) -> dict:
@@ -142,7 +137,10 @@ def run_cases(payload: dict) -> dict:
         ds_asynchzp.register()
     results = {}
     for case in payload["cases"]:
+        started = time.perf_counter()
         result = train_case(case)
+        # Progress in the rank log: tells a slow launch from a stuck one when a launch times out.
+        print(f"case {case['name']}: {case['steps']} steps in {time.perf_counter() - started:.1f} s", flush=True)
         baseline = results.get(case.get("compare_to"))
         if baseline is not None:
             result["max_loss_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], baseline["losses"]))

@@ -1,6 +1,29 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from tests.dist_harness import run_cases
+
+# DeepSpeed JIT-builds a CPU communication op with ninja the first time a process initialises it. ninja's build
+# records differ between versions, so processes that find different ninja binaries keep rebuilding the shared
+# cache: put this interpreter's bin (the virtual environment's ninja) first on PATH for every process we start.
+_BIN_DIR = str(Path(sys.executable).parent)
+if os.environ.get("PATH", "").split(os.pathsep)[0] != _BIN_DIR:
+    os.environ["PATH"] = _BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+@pytest.fixture(scope="session")
+def deepspeed_cpu_ops():
+    """Build DeepSpeed's CPU op once, before any rank starts, so a cold build (minutes on 2 cores) never
+    counts against a launch's timeout. Cached across runs by torch."""
+    build = ("from deepspeed.accelerator import get_accelerator; "
+             "get_accelerator().create_op_builder('ShareMemCommBuilder').load()")
+    env = dict(os.environ, DS_ACCELERATOR="cpu")
+    done = subprocess.run([sys.executable, "-c", build], env=env, timeout=900, capture_output=True, text=True)
+    assert done.returncode == 0, f"building DeepSpeed's CPU op failed:\n{done.stderr[-4000:]}"
 
 STEPS = 10
 
@@ -26,7 +49,7 @@ LAUNCHES = {
 
 
 @pytest.fixture(scope="session")
-def launched():
+def launched(deepspeed_cpu_ops):
     """Memoised launches: `launched(world, node_size)` -> per-rank results."""
     cache = {}
 

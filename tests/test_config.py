@@ -118,7 +118,7 @@ BAD = [
     ("auto-grad-without-model", make({"grad_shard_size": "auto"}), 8, 4, {}, {}, "async_hzp.grad_shard_size"),
     ("auto-mixed-with-int", make({"param_shard_size": 2, "grad_shard_size": "auto"}), 8, 4, {}, {"num_parameters": PSI},
      "async_hzp.param_shard_size"),
-    ("auto-budget-too-small", make({"param_shard_size": "auto", "memory_budget_gb": 3}), 8, 4, {}, {"num_parameters": PSI},
+    ("auto-budget-too-small", make({"param_shard_size": "auto", "memory_budget_gb": 3}, bf16={"enabled": True}), 8, 4, {}, {"num_parameters": PSI},
      "async_hzp.memory_budget_gb"),
 ]
 
@@ -178,13 +178,13 @@ GOOD = [
     ("harmless-zero-keys", make(zero={"zero_hpz_partition_size": 1, "offload_param": {"device": "none"}}), 8, 4, {}, {},
      (4, 4, 8)),
     # Generous budget: full replication (d_p = 1) needs 8.25e9 bytes and fits.
-    ("auto-generous", make({"param_shard_size": "auto", "memory_budget_gb": 100}), 8, 4, {}, {"num_parameters": PSI},
+    ("auto-generous", make({"param_shard_size": "auto", "memory_budget_gb": 100}, bf16={"enabled": True}), 8, 4, {}, {"num_parameters": PSI},
      (1, 1, 8)),
     # 6 GiB ~ 6.44e9: d=1 (8.25e9) is too big, d=2 (5.25e9) fits.
-    ("auto-medium", make({"param_shard_size": "auto", "grad_shard_size": "auto", "memory_budget_gb": 6}), 8, 4, {},
+    ("auto-medium", make({"param_shard_size": "auto", "grad_shard_size": "auto", "memory_budget_gb": 6}, bf16={"enabled": True}), 8, 4, {},
      {"num_parameters": PSI}, (2, 2, 8)),
     # 4 GiB ~ 4.29e9: only d=4 (3.75e9) fits.
-    ("auto-tight", make({"grad_shard_size": "auto", "memory_budget_gb": 4}), 8, 4, {}, {"num_parameters": PSI},
+    ("auto-tight", make({"grad_shard_size": "auto", "memory_budget_gb": 4}, bf16={"enabled": True}), 8, 4, {}, {"num_parameters": PSI},
      (4, 4, 8)),
 ]
 
@@ -291,3 +291,17 @@ def test_sizing_helpers():
     assert sizing.divisors(1) == [1]
     assert sizing.padded_num_params([10, 8, 1], world=4) == 12 + 8 + 4
     assert sizing.default_budget_bytes(node_size=4) > 0
+
+
+def test_auto_accounts_for_the_parameter_dtype():
+    """fp32 parameters take twice the bytes of bf16 ones, so the same budget needs a larger shard group."""
+    from ds_asynchzp import sizing
+
+    psi, world, node = 10**9, 8, 4
+    bf16_total = sizing.model_state_bytes_per_rank(psi, world, 1, 1, world, param_bytes=2)["total"]
+    budget_gb = bf16_total * 1.01 / sizing.BYTES_PER_GB
+    bf16 = make({"param_shard_size": "auto", "grad_shard_size": "auto", "memory_budget_gb": budget_gb})
+    bf16["bf16"] = {"enabled": True}
+    fp32 = make({"param_shard_size": "auto", "grad_shard_size": "auto", "memory_budget_gb": budget_gb})
+    assert resolve_layout(bf16, world, node, num_parameters=psi).param_shard_size == 1
+    assert resolve_layout(fp32, world, node, num_parameters=psi).param_shard_size > 1

@@ -43,7 +43,7 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def results():
+def results(deepspeed_cpu_ops):
     # register() is on for the whole launch: plain deepspeed.initialize must then honour the section.
     return run_cases(4, 2, CASES, register=True)
 

@@ -1,0 +1,104 @@
+"""Collapse per-rank measurements of one arm (and its repeats) into a results.json entry.
+
+Conventions, stated once:
+* bytes are per rank per optimizer step: the steady-state mean of each rank (steps after `--warmup-steps`),
+  then the mean over ranks;
+* a step is as slow as its slowest rank (the others wait for it in the next collective);
+* wire bytes of an emulated cluster are the node links' transmit counters summed over nodes, per step, divided
+  by the number of ranks, so they compare with the ledger's per-rank figures.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+
+def _steady_mean(values: list, warmup: int) -> float:
+    steady = values[warmup:]
+    return sum(steady) / len(steady)
+
+
+def aggregate_arm(rank_results: list, warmup: int, tokens_per_step: int) -> dict:
+    """One repeat of one arm."""
+    n_ranks = len(rank_results)
+    by_rank = sorted(rank_results, key=lambda r: r["rank"])
+    n_steps = len(by_rank[0]["steps"])
+    losses = [sum(r["steps"][s]["loss"] for r in by_rank) / n_ranks for s in range(n_steps)]
+    step_times = [max(r["steps"][s]["time_s"] for r in by_rank) for s in range(n_steps)]
+
+    def mean_over_ranks(extract) -> float:
+        return sum(_steady_mean([extract(step) for step in r["steps"]], warmup) for r in by_rank) / n_ranks
+
+    where = ("intra_node", "inter_node")
+    bytes_per_step = {w: mean_over_ranks(lambda st, w=w: st[w]) for w in where}
+    ops = sorted({op for r in by_rank for st in r["steps"] for op in st["by_op"]})
+    bytes_by_op = {op: {w: mean_over_ranks(lambda st, op=op, w=w: st["by_op"].get(op, {}).get(w, 0.0))
+                        for w in where} for op in ops}
+    # Time inside collectives: on CPU they are synchronous, so this is communication the step waited for.
+    comm_time = [sum(r["steps"][s]["comm_s"] for r in by_rank) / n_ranks for s in range(n_steps)]
+
+    # Node-link counters: one reader per node (local rank 0), so summing readers counts each link once.
+    readers = [r for r in by_rank if r["steps"][0].get("node_tx_bytes") is not None]
+    wire = None
+    if readers:
+        wire = sum(_steady_mean([st["node_tx_bytes"] for st in r["steps"]], warmup) for r in readers) / n_ranks
+
+    median_step = statistics.median(step_times[warmup:])
+    classes = sorted({r["optimizer_class"] for r in by_rank})
+    return {
+        "losses": losses,
+        "step_time_s": step_times,
+        "median_step_time_s": median_step,
+        "startup_s": {k: max(r["startup_s"][k] for r in by_rank) for k in by_rank[0]["startup_s"]},
+        "bytes_per_step": bytes_per_step,
+        "bytes_per_step_by_op": bytes_by_op,
+        "link_bytes_inter_node_per_step": mean_over_ranks(lambda st: st["link_bytes"]),
+        "wire_bytes_inter_node_per_step": wire,
+        "comm_time_s": comm_time,
+        "exposed_comm_s_per_step": statistics.median(comm_time[warmup:]),
+        "collective_calls_per_step": mean_over_ranks(lambda st: st["calls"]),
+        "peak_memory_bytes": max(r["peak_rss_bytes"] for r in by_rank),
+        "model_state_bytes": by_rank[0]["model_state_bytes"],
+        "optimizer_class": classes[0] if len(classes) == 1 else ",".join(classes),
+        # Whole job (all ranks); the per-rank figure is below.
+        "tokens_per_s": tokens_per_step / median_step if median_step > 0 else None,
+        "tokens_per_s_per_rank_this_repeat": tokens_per_step / n_ranks / median_step if median_step > 0 else None,
+        "per_rank": [{
+            "rank": r["rank"],
+            "losses": [st["loss"] for st in r["steps"]],
+            "step_time_s": [st["time_s"] for st in r["steps"]],
+            "intra_node_bytes": [st["intra_node"] for st in r["steps"]],
+            "inter_node_bytes": [st["inter_node"] for st in r["steps"]],
+            "peak_rss_bytes": r["peak_rss_bytes"],
+            "model_state_bytes_total": r["model_state_bytes"].get("total"),
+        } for r in by_rank],
+    }
+
+
+def merge_repeats(entries: list) -> dict:
+    """The first repeat's entry (losses and bytes are deterministic), plus min/median over repeats of the timings.
+
+    `tokens_per_s_per_rank` and `step_time_stats_s` are taken over the repeats' medians of steady-state steps.
+    """
+    merged = dict(entries[0])
+    merged.pop("tokens_per_s_per_rank_this_repeat", None)
+    merged["repeats"] = [{
+        "step_time_s": e["step_time_s"],
+        "median_step_time_s": e["median_step_time_s"],
+        "tokens_per_s_per_rank": e["tokens_per_s_per_rank_this_repeat"],
+        "wire_bytes_inter_node_per_step": e["wire_bytes_inter_node_per_step"],
+        "comm_time_s": e["comm_time_s"],
+        "losses_identical_to_first": e["losses"] == entries[0]["losses"],
+    } for e in entries]
+    medians = [e["median_step_time_s"] for e in entries]
+    per_rank = [e["tokens_per_s_per_rank_this_repeat"] for e in entries]
+    merged["step_time_stats_s"] = {"min": min(medians), "median": statistics.median(medians)}
+    merged["tokens_per_s_per_rank"] = {"min": min(per_rank), "median": statistics.median(per_rank)}
+    # Keep the top-level figures consistent with the medians above.
+    merged["median_step_time_s"] = merged["step_time_stats_s"]["median"]
+    merged["tokens_per_s"] = merged["tokens_per_s_per_rank"]["median"] * len(entries[0]["per_rank"])
+    wires = [e["wire_bytes_inter_node_per_step"] for e in entries if e["wire_bytes_inter_node_per_step"] is not None]
+    if wires:
+        merged["wire_bytes_inter_node_per_step"] = statistics.median(wires)
+    merged["exposed_comm_s_per_step"] = statistics.median(e["exposed_comm_s_per_step"] for e in entries)
+    return merged

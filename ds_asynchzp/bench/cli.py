@@ -1,0 +1,398 @@
+"""``asynchzp-bench``: train one model under several ZeRO arms on local CPU ranks and compare them.
+
+Each arm (stock ZeRO-3, ZeRO++ hpZ, AsyncHZP) runs the same model, data and seed in its own set of rank
+processes (`launch_local`, gloo, ``DS_ACCELERATOR=cpu``). The ranks are grouped into simulated nodes of
+``--node-size`` ranks, so the communication ledger can split every collective's wire bytes into intra- and
+inter-node traffic. Results go to ``DIR/results.json`` and a table to stdout and ``DIR/summary.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .aggregate import aggregate_arm, merge_repeats
+from .model import MODEL_PRESETS
+from .progress import StepProgress
+from .table import format_table
+
+WORKER_TARGET = "ds_asynchzp.bench.worker:run_arm"
+
+# arm -> (what it is, substring of the optimizer class the worker must find in the engine).
+ARMS = {
+    "zero3": ("stock DeepSpeed ZeRO-3", "DeepSpeedZeroOptimizer_Stage3"),
+    "hpz": ("stock ZeRO++ hpZ (secondary parameter partition inside a node)", "DeepSpeedZeroOptimizer_Stage3"),
+    "asynchzp": ("AsyncHZP (params+grads inside a node, optimizer states over the world)",
+                 "HierarchicalZeroOptimizer"),
+}
+DEFAULT_ARMS = "zero3,hpz,asynchzp"
+
+# ZeRO-3 settings shared by every arm, so that only the arm-specific key differs between runs.
+# Persistence thresholds 0 partition every parameter (small models would otherwise keep most of them whole);
+# no prefetch, no live-parameter cache and no overlap keep each arm's traffic and timing free of
+# scheduling effects that the arms would not share.
+ZERO3_KNOBS = {
+    "stage": 3,
+    "stage3_param_persistence_threshold": 0,
+    "stage3_model_persistence_threshold": 0,
+    "stage3_max_live_parameters": 0,
+    "stage3_max_reuse_distance": 0,
+    "stage3_prefetch_bucket_size": 0,
+    "reduce_bucket_size": int(5e5),
+    "overlap_comm": False,
+    "contiguous_gradients": True,
+}
+WEIGHT_DECAY = 0.01
+GRADIENT_CLIPPING = 1.0
+FP16_INITIAL_SCALE_POWER = 8
+# Larger than any run, so DeepSpeed never prints (or times) progress inside the measured steps.
+STEPS_PER_PRINT = 10**9
+
+
+def _positive_int(text: str) -> int:
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="asynchzp-bench",
+        description="Compare ZeRO-3, ZeRO++ hpZ and AsyncHZP on local CPU ranks: same model, data and seed; "
+                    "reports loss agreement, intra/inter-node bytes, step time and memory.")
+    parser.add_argument("--arms", default=DEFAULT_ARMS,
+                        help=f"comma-separated arms to run, in order; known: {', '.join(ARMS)} (default: %(default)s)")
+    parser.add_argument("--nproc", type=_positive_int, default=4,
+                        help="ranks (processes) to start (default: %(default)s)")
+    parser.add_argument("--node-size", type=_positive_int, default=2,
+                        help="ranks per simulated node; must divide --nproc (default: %(default)s)")
+    parser.add_argument("--model", default="small", choices=sorted(MODEL_PRESETS),
+                        help="model preset (default: %(default)s)")
+    parser.add_argument("--moe-experts", type=_non_negative_int, default=0,
+                        help="experts per block; 0 = dense MLP (default: %(default)s)")
+    parser.add_argument("--steps", type=_positive_int, default=6, help="optimizer steps (default: %(default)s)")
+    parser.add_argument("--grad-accum", type=_positive_int, default=4,
+                        help="micro-steps per optimizer step (default: %(default)s)")
+    parser.add_argument("--micro-batch", type=_positive_int, default=2,
+                        help="sequences per rank per micro-step (default: %(default)s)")
+    parser.add_argument("--seq-len", type=_positive_int, default=64, help="tokens per sequence (default: %(default)s)")
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
+                        help="training precision (default: %(default)s)")
+    parser.add_argument("--seed", type=_int, default=1234, help="seed of weights and data (default: %(default)s)")
+    parser.add_argument("--lr", type=_positive_float, default=1e-3, help="AdamW learning rate (default: %(default)s)")
+    parser.add_argument("--warmup-steps", type=_non_negative_int, default=1,
+                        help="first optimizer steps left out of steady-state averages; must be < --steps "
+                             "(default: %(default)s)")
+    parser.add_argument("--out", default="bench_out", help="output directory (default: %(default)s)")
+    parser.add_argument("--timeout", type=_positive_float, default=900.0,
+                        help="seconds allowed per arm before its ranks are killed (default: %(default)s)")
+    parser.add_argument("--repeats", type=_positive_int, default=1,
+                        help="runs of every arm, interleaved, for min/median timings (default: %(default)s)")
+    network = parser.add_argument_group("network")
+    network.add_argument("--network", default="loopback", choices=["loopback", "emulated"],
+                         help="loopback: all ranks on 127.0.0.1; emulated: one network namespace per node, nodes "
+                              "joined by rate-limited links whose byte counters are recorded (needs root) "
+                              "(default: %(default)s)")
+    network.add_argument("--inter-node-bw", default="200mbit",
+                         help="emulated inter-node link rate, e.g. 200mbit, 1gbit (default: %(default)s)")
+    network.add_argument("--inter-node-delay", default=None,
+                         help="emulated one-way inter-node delay in ms (a userspace relay; default: none)")
+    network.add_argument("--mtu", type=_positive_int, default=9000,
+                         help="emulated link MTU; 9000 keeps header overhead near 1 %% (default: %(default)s)")
+    parser.add_argument("--no-report", action="store_true", help="skip report.md and the plots")
+    return parser
+
+
+def cpu_supports_fp16() -> bool:
+    """Whether DeepSpeed's CPU accelerator accepts fp16 here (it asks oneDNN, as this does), so that an
+    unsupported --dtype fails before any rank starts instead of in every rank's engine construction."""
+    import torch
+
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse and cross-check the flags; every error exits through argparse before any rank starts."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    if not arms:
+        parser.error("--arms: give at least one arm")
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        parser.error(f"--arms: unknown arm(s) {', '.join(map(repr, unknown))}; choose from {', '.join(ARMS)}")
+    duplicates = sorted({a for a in arms if arms.count(a) > 1})
+    if duplicates:
+        parser.error(f"--arms: arm(s) listed twice: {', '.join(duplicates)}")
+    args.arms = arms
+    if args.nproc % args.node_size:
+        parser.error(f"--nproc {args.nproc} is not a multiple of --node-size {args.node_size}")
+    if args.dtype == "fp16" and not cpu_supports_fp16():
+        parser.error("--dtype fp16: DeepSpeed's CPU accelerator refuses fp16 on this host (oneDNN has no fp16 "
+                     "support for this CPU); use --dtype bf16 or fp32")
+    if args.network == "loopback" and (args.inter_node_delay is not None):
+        parser.error("--inter-node-delay needs --network emulated")
+    if args.network == "emulated":
+        from ds_asynchzp.netem import parse_delay_ms, parse_rate
+
+        try:
+            parse_rate(args.inter_node_bw)
+            if args.inter_node_delay is not None:
+                parse_delay_ms(args.inter_node_delay)
+        except ValueError as exc:
+            parser.error(str(exc))
+    if args.warmup_steps >= args.steps:
+        parser.error(f"--warmup-steps {args.warmup_steps} must be < --steps {args.steps}, "
+                     "otherwise no steady-state step is left to average")
+    return args
+
+
+def ds_config_for(arm: str, args: argparse.Namespace) -> dict:
+    """The full ds_config of one arm: shared knobs plus the arm's own key."""
+    zero = dict(ZERO3_KNOBS)
+    if arm == "hpz":
+        zero["zero_hpz_partition_size"] = args.node_size
+    config = {
+        "train_micro_batch_size_per_gpu": args.micro_batch,
+        "gradient_accumulation_steps": args.grad_accum,
+        "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": WEIGHT_DECAY}},
+        "gradient_clipping": GRADIENT_CLIPPING,
+        "zero_optimization": zero,
+        "steps_per_print": STEPS_PER_PRINT,
+        "wall_clock_breakdown": False,
+    }
+    if args.dtype == "bf16":
+        config["bf16"] = {"enabled": True}
+    elif args.dtype == "fp16":
+        config["fp16"] = {"enabled": True, "initial_scale_power": FP16_INITIAL_SCALE_POWER}
+    if arm == "asynchzp":
+        config["async_hzp"] = {"node_size": args.node_size}
+    return config
+
+
+def tokens_per_optimizer_step(args: argparse.Namespace) -> int:
+    return args.nproc * args.micro_batch * args.seq_len * args.grad_accum
+
+
+# ------------------------------------------------------------------------------------------- environment
+def _version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _git_commit() -> str | None:
+    repo = Path(__file__).resolve().parents[2]
+    if not (repo / "pyproject.toml").is_file():
+        return None  # an installed copy: any repository around it is not this package's source
+    try:
+        done = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    commit = done.stdout.strip()
+    return commit if done.returncode == 0 and commit else None
+
+
+def environment() -> dict:
+    from ds_asynchzp import __version__
+
+    return {
+        "torch": _version("torch"),
+        "deepspeed": _version("deepspeed"),
+        "ds_asynchzp": __version__,
+        "python": platform.python_version(),
+        "git_commit": _git_commit(),
+        "host_cpus": os.cpu_count(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def run_config(args: argparse.Namespace) -> dict:
+    return {
+        "arms": list(args.arms),
+        "nproc": args.nproc,
+        "node_size": args.node_size,
+        "world_size": args.nproc,
+        "num_nodes": args.nproc // args.node_size,
+        "model": args.model,
+        "moe_experts": args.moe_experts,
+        "steps": args.steps,
+        "grad_accum": args.grad_accum,
+        "micro_batch": args.micro_batch,
+        "seq_len": args.seq_len,
+        "dtype": args.dtype,
+        "seed": args.seed,
+        "lr": args.lr,
+        "weight_decay": WEIGHT_DECAY,
+        "gradient_clipping": GRADIENT_CLIPPING,
+        "warmup_steps": args.warmup_steps,
+        "out": str(args.out),
+        "timeout_s": args.timeout,
+        "zero_optimization": dict(ZERO3_KNOBS),
+        "arm_overrides": {
+            "hpz": {"zero_optimization.zero_hpz_partition_size": args.node_size},
+            "asynchzp": {"async_hzp": {"node_size": args.node_size}},
+        },
+        "tokens_per_optimizer_step": tokens_per_optimizer_step(args),
+        "model_parameters": _model_parameter_count(args),
+        "repeats": args.repeats,
+        "network": {"mode": args.network,
+                    "inter_node_bw": args.inter_node_bw if args.network == "emulated" else None,
+                    "inter_node_delay_ms": args.inter_node_delay if args.network == "emulated" else None,
+                    "mtu": args.mtu if args.network == "emulated" else None},
+    }
+
+
+def _model_parameter_count(args: argparse.Namespace) -> int:
+    from .model import build_model, count_parameters
+    from .worker import _model_config
+
+    return count_parameters(build_model(_model_config(args.model, args.moe_experts, args.seq_len), seed=0))["total"]
+
+
+def write_json_atomically(path: Path, data: dict) -> None:
+    # Readers (and a crash mid-write) never see a half-written file.
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------------------------- driving
+def _payload(arm: str, args: argparse.Namespace) -> dict:
+    return {
+        "arm": arm,
+        "ds_config": ds_config_for(arm, args),
+        "expected_optimizer": ARMS[arm][1],
+        "model": args.model,
+        "moe_experts": args.moe_experts,
+        "seq_len": args.seq_len,
+        "steps": args.steps,
+        "grad_accum": args.grad_accum,
+        "micro_batch": args.micro_batch,
+        "seed": args.seed,
+        "node_size": args.node_size,
+    }
+
+
+def _run_arms(args: argparse.Namespace, results: dict, cluster=None) -> None:
+    from ds_asynchzp.launch import launch_local
+
+    out = Path(args.out)
+    entries = {arm: [] for arm in args.arms}
+    launch_extra = {}
+    if cluster is not None:
+        launch_extra = {"rank_prefix_cmd": cluster.rank_prefix_cmd, "env": cluster.rank_env()}
+    total = len(args.arms) * args.repeats
+    index = 0
+    # Repeats interleave the arms, so slow drift of the host (load, thermal) spreads over every arm alike.
+    for repeat in range(args.repeats):
+        for arm in args.arms:
+            index += 1
+            label = f"[{index}/{total}] {arm}" + (f" (repeat {repeat + 1})" if args.repeats > 1 else "")
+            workdir = out / "logs" / (arm if args.repeats == 1 else f"{arm}-{repeat + 1}")
+            print(f"{label}: {args.nproc} ranks ({args.nproc // args.node_size} nodes x {args.node_size})", flush=True)
+            started = time.monotonic()
+            payload = dict(_payload(arm, args), launched_at=time.time(), read_link_counter=cluster is not None)
+            with StepProgress(workdir / "rank0.log", args.steps, label):
+                # Each run gets fresh processes: DeepSpeed keeps process-wide state such as the hpZ group.
+                rank_results = launch_local(WORKER_TARGET, args.nproc, args.node_size, payload,
+                                            timeout_s=args.timeout, workdir=str(workdir), **launch_extra)
+            entry = aggregate_arm(rank_results, args.warmup_steps, tokens_per_optimizer_step(args))
+            entry["wall_time_s"] = time.monotonic() - started
+            entries[arm].append(entry)
+            results["arms"][arm] = merge_repeats(entries[arm])
+            write_json_atomically(out / "results.json", results)
+            print(f"{label}: done in {entry['wall_time_s']:.1f}s, final loss {entry['losses'][-1]:.6f}, "
+                  f"median step {entry['median_step_time_s']:.3f}s", flush=True)
+
+
+def run_benchmark(args: argparse.Namespace) -> dict:
+    """Run every arm; results.json is rewritten after each run so a later failure keeps the rest."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {"config": run_config(args), "env": environment(), "arms": {}}
+    if args.network == "loopback":
+        _run_arms(args, results)
+        return results
+    from ds_asynchzp.netem import Cluster
+
+    num_nodes = args.nproc // args.node_size
+    with Cluster(num_nodes, args.inter_node_bw, delay_ms=args.inter_node_delay, mtu=args.mtu,
+                 ranks_per_node=args.node_size) as cluster:
+        print(f"emulated cluster: {num_nodes} nodes, links {args.inter_node_bw}"
+              + (f", {args.inter_node_delay} ms one way" if args.inter_node_delay else "") + f", MTU {args.mtu}",
+              flush=True)
+        _run_arms(args, results, cluster)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from ds_asynchzp.launch import RankFailure
+    from ds_asynchzp.netem import ClusterError
+
+    started = time.monotonic()
+    try:
+        results = run_benchmark(args)
+    except ClusterError as exc:
+        # No rights, no namespaces, or leftovers of an earlier run (the message names the cleanup command).
+        print(f"asynchzp-bench: cannot emulate the cluster: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except (RankFailure, TimeoutError) as exc:
+        print(f"asynchzp-bench: an arm failed; results of finished arms are in {Path(args.out) / 'results.json'}\n"
+              f"{exc}", file=sys.stderr, flush=True)
+        return 1
+    table = format_table(results)
+    out = Path(args.out)
+    (out / "summary.md").write_text(table + "\n", encoding="utf-8")
+    print()
+    print(table)
+    if not args.no_report:
+        from .report import write_report
+
+        print(f"report: {write_report(results, out)}", flush=True)
+    print(f"\ntotal wall time {time.monotonic() - started:.1f}s; results: {out / 'results.json'}, "
+          f"table: {out / 'summary.md'}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,423 @@
+"""A self-contained A/B report of one ``asynchzp-bench`` run: ``report.md`` plus three PNG plots.
+
+Every figure in the report is read from results.json or computed from it in the open (ratios, medians, minima);
+nothing is estimated. Optional keys (repeats, network emulation, measured link bytes, time in collectives) are
+used when present and left out, with a note, when absent, so reports of older runs still render.
+
+    python -m ds_asynchzp.bench.report bench_out/results.json [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+from .table import MB, REFERENCE_ARM, max_rel_loss_diff
+
+NA = "n/a"
+PLOTS = ("loss.png", "bytes.png", "step_time.png")
+ARM_STYLES = {"zero3": ("tab:gray", "-", 3.5), "hpz": ("tab:orange", "--", 2.2), "asynchzp": ("tab:blue", ":", 2.2)}
+# Collective kinds in a fixed order so colours and table rows match across runs; unknown kinds follow, sorted.
+OP_ORDER = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "reduce", "all_to_all", "send", "recv")
+STATE_ORDER = ("param_primary", "param_secondary", "param_shard", "master", "optimizer_state", "grad_primary",
+               "grad_shard")
+# Recorded tokens/s and step times describe the same run; anything looser than this means a broken results file.
+CONSISTENCY_RTOL = 1e-6
+
+
+# ------------------------------------------------------------------------------------------------ numbers
+def _fmt(value, spec: str) -> str:
+    return NA if value is None else format(value, spec)
+
+
+def _mb(nbytes) -> str:
+    if nbytes is None:
+        return NA
+    # Non-zero traffic (a scalar all-reduce) must not read as "0.000": that would claim no traffic at all.
+    return "<0.001" if 0 < nbytes < 0.0005 * MB else f"{nbytes / MB:.3f}"
+
+
+def _ratio(value, reference) -> float | None:
+    return value / reference if value is not None and reference else None
+
+
+def _step_samples(entry: dict, warmup: int) -> tuple[list[float], str]:
+    """What the step-time spread is taken over: each repeat's median when the arm was repeated, else the
+    steady (post-warm-up) steps of its single run."""
+    medians = [r["median_step_time_s"] for r in entry.get("repeats") or [] if r.get("median_step_time_s") is not None]
+    if medians:
+        return medians, "per-repeat medians"
+    return list(entry["step_time_s"][warmup:]), "steady steps"
+
+
+def arm_stats(entry: dict, config: dict) -> dict:
+    """The per-arm figures of the results table, each from its recorded key when present."""
+    samples, sample_kind = _step_samples(entry, int(config.get("warmup_steps") or 0))
+    recorded = entry.get("step_time_stats_s") or {}
+    step_min = recorded.get("min", min(samples))
+    if "median" in recorded:
+        step_median = recorded["median"]
+    elif sample_kind == "steady steps" and entry.get("median_step_time_s") is not None:
+        step_median = entry["median_step_time_s"]  # the figure the recorded tokens_per_s was computed from
+    else:
+        step_median = statistics.median(samples)
+
+    tps = entry.get("tokens_per_s_per_rank")
+    repeat_tps = [r["tokens_per_s_per_rank"] for r in entry.get("repeats") or []
+                  if r.get("tokens_per_s_per_rank") is not None]
+    tokens, world = config.get("tokens_per_optimizer_step"), config.get("world_size") or config.get("nproc")
+    if isinstance(tps, dict):
+        tps_min, tps_median = tps.get("min"), tps.get("median")
+    elif repeat_tps:
+        tps_min, tps_median = min(repeat_tps), statistics.median(repeat_tps)
+    elif tokens and world:
+        # Each rank processes tokens/world per step; the slowest sample gives the minimum throughput.
+        tps_min, tps_median = tokens / world / max(samples), tokens / world / step_median
+    else:
+        tps_min = tps_median = None
+    return {
+        "samples": samples, "sample_kind": sample_kind, "step_min": step_min, "step_median": step_median,
+        "tps_min": tps_min, "tps_median": tps_median,
+        "intra": entry["bytes_per_step"]["intra_node"], "inter": entry["bytes_per_step"]["inter_node"],
+        "link": entry.get("link_bytes_inter_node_per_step"), "wire": entry.get("wire_bytes_inter_node_per_step"),
+        "exposed": entry.get("exposed_comm_s_per_step"),
+        "peak_rss": entry.get("peak_memory_bytes"), "model_state": (entry.get("model_state_bytes") or {}).get("total"),
+    }
+
+
+def _ordered_ops(arms: dict) -> list[str]:
+    ops = {op for entry in arms.values() for op in entry.get("bytes_per_step_by_op", {})}
+    return [op for op in OP_ORDER if op in ops] + sorted(ops - set(OP_ORDER))
+
+
+# ---------------------------------------------------------------------------------------------- markdown
+def _md_table(header: list[str], rows: list[list[str]], text_columns: int = 1) -> list[str]:
+    """Padded Markdown table; the first `text_columns` columns left-aligned, the rest (numbers) right-aligned."""
+    header = [h.replace("|", r"\|") for h in header]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(cells):
+        return "| " + " | ".join(c.ljust(w) if i < text_columns else c.rjust(w)
+                                 for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+
+    rule = "|" + "|".join(":" + "-" * (w + 1) if i < text_columns else "-" * (w + 1) + ":"
+                          for i, w in enumerate(widths)) + "|"
+    return [line(header), rule, *(line(r) for r in rows)]
+
+
+def _provenance(env: dict, config: dict) -> list[str]:
+    def get(key):
+        value = env.get(key)
+        return NA + " (not recorded)" if value is None else f"`{value}`" if key == "git_commit" else str(value)
+
+    network = config.get("network")
+    if not network:
+        net = "not recorded"
+    elif network.get("mode") == "emulated":
+        delay = network.get("inter_node_delay_ms")
+        net = (f"emulated nodes (network namespaces); inter-node links shaped to {network.get('inter_node_bw', NA)}, "
+               f"one-way delay {'none' if delay is None else f'{delay} ms'}, MTU {network.get('mtu', NA)}; "
+               "ranks of one node talk over loopback, unshaped")
+    else:
+        net = f"{network.get('mode', NA)} (every rank talks over loopback; no shaping)"
+    return ["## Provenance", "",
+            f"- Date (UTC): {get('date')}",
+            f"- Git commit: {get('git_commit')}",
+            f"- Versions: torch {get('torch')}, deepspeed {get('deepspeed')}, ds_asynchzp {get('ds_asynchzp')}, "
+            f"Python {get('python')}",
+            f"- Host: {get('host_cpus')} CPUs; gloo on CPU ranks (no accelerator)",
+            f"- Network: {net}", ""]
+
+
+def _workload(results: dict) -> list[str]:
+    config, arms = results["config"], results["arms"]
+    world = config.get("world_size") or config.get("nproc")
+    micro, seq, ga = config.get("micro_batch"), config.get("seq_len"), config.get("grad_accum")
+    tokens = config.get("tokens_per_optimizer_step")
+    params = config.get("model_parameters")
+    experts = config.get("moe_experts") or 0
+    lines = ["## Workload", "",
+             f"- Model: `{config.get('model', NA)}` preset, "
+             + (f"{experts} experts per block (MoE)" if experts else "dense MLP")
+             + (f", {params:,} parameters" if isinstance(params, int) else ""),
+             f"- Layout: {world} ranks = {config.get('num_nodes', NA)} simulated nodes x "
+             f"{config.get('node_size', NA)} ranks per node",
+             f"- Precision {config.get('dtype', NA)}; seed {config.get('seed', NA)}; AdamW lr {config.get('lr', NA)}, "
+             f"weight decay {config.get('weight_decay', NA)}, gradient clipping {config.get('gradient_clipping', NA)}",
+             f"- Batch: micro-batch {micro} sequences x seq-len {seq} tokens x grad accumulation {ga} micro-steps x "
+             f"{world} ranks = **{_fmt(tokens, ',')} tokens per optimizer step, identical in every arm** (all arms "
+             "ran from this one configuration and differ only in the overrides below)",
+             f"- Steps: {config.get('steps', NA)} optimizer steps per arm; the first {config.get('warmup_steps', NA)} "
+             "excluded from step-time and byte statistics as warm-up; repeats per arm: "
+             + str(config.get("repeats") or "1 (no repeats recorded)")]
+    if None not in (tokens, world, micro, seq, ga) and tokens != world * micro * seq * ga:
+        lines.append(f"- **Warning:** tokens_per_optimizer_step {tokens} != ranks x micro-batch x seq-len x "
+                     f"grad accumulation = {world * micro * seq * ga}")
+    for arm, entry in arms.items():
+        tps, median = entry.get("tokens_per_s"), entry.get("median_step_time_s")
+        if tokens and tps and median and abs(tps * median - tokens) > CONSISTENCY_RTOL * tokens:
+            lines.append(f"- **Warning:** arm {arm}: tokens_per_s x median step time = {tps * median:.1f}, "
+                         f"not the {tokens} tokens per optimizer step of the configuration")
+    knobs = config.get("zero_optimization") or {}
+    lines += ["", "ZeRO-3 settings shared by every arm: "
+              + (", ".join(f"`{k}={v}`" for k, v in knobs.items()) or "not recorded") + ".", "", "Arms:", ""]
+    overrides = config.get("arm_overrides") or {}
+    for arm, entry in arms.items():
+        extra = overrides.get(arm)
+        lines.append(f"- `{arm}`: optimizer `{entry.get('optimizer_class', NA)}`; overrides: "
+                     + (", ".join(f"`{k}={json.dumps(v)}`" for k, v in extra.items()) if extra else "none"))
+    return lines + [""]
+
+
+def _results_table(arms: dict, stats: dict) -> list[str]:
+    ref = stats.get(REFERENCE_ARM)
+    columns = [("arm", lambda a, s: a),
+               ("tokens/s/rank min", lambda a, s: _fmt(s["tps_min"], ".1f")),
+               ("tokens/s/rank median", lambda a, s: _fmt(s["tps_median"], ".1f")),
+               ("step s min", lambda a, s: _fmt(s["step_min"], ".3f")),
+               ("step s median", lambda a, s: _fmt(s["step_median"], ".3f")),
+               ("speed-up vs zero3", lambda a, s: _fmt(ref and _ratio(ref["step_median"], s["step_median"]), ".3f")),
+               ("intra MB/step", lambda a, s: _mb(s["intra"])),
+               ("inter MB/step", lambda a, s: _mb(s["inter"])),
+               ("inter ratio vs zero3", lambda a, s: _fmt(ref and _ratio(s["inter"], ref["inter"]), ".3f"))]
+    # Optional measurements get a column only when some arm has them, so loopback runs carry no empty columns.
+    optional = [("link", "link MB/step (ledger)", _mb), ("wire", "wire MB/step (measured)", _mb),
+                ("exposed", "exposed comm s/step", lambda v: _fmt(v, ".3f"))]
+    for key, title, fmt in optional:
+        if any(s[key] is not None for s in stats.values()):
+            columns.append((title, lambda a, s, key=key, fmt=fmt: fmt(s[key])))
+    columns += [("peak RSS MB", lambda a, s: _fmt(s["peak_rss"] and s["peak_rss"] / MB, ".1f")),
+                ("model-state MB", lambda a, s: _mb(s["model_state"]))]
+    rows = [[fn(arm, stats[arm]) for _, fn in columns] for arm in arms]
+    kinds = sorted({s["sample_kind"] for s in stats.values()})
+    return ["## Results", "", *_md_table([c[0] for c in columns], rows), "",
+            f"Step time: slowest rank per step; min and median over {' / '.join(kinds)} (or the recorded "
+            "`step_time_stats_s`). Tokens/s per rank: recorded, or tokens per step / ranks / step time (its min comes "
+            "from the slowest sample). Speed-up: zero3 median step time / the arm's. Bytes: ring-model bytes sent per "
+            "rank per optimizer step, steady-state mean over ranks; MB = 10^6 bytes. Link MB: the ledger's prediction "
+            "of bytes crossing node links; wire MB: bytes counted on the emulated links, per rank. Exposed comm: "
+            "median over steady steps of time inside collectives. Peak RSS: largest rank. Model-state: rank 0.", ""]
+
+
+def _bytes_table(arms: dict) -> list[str]:
+    rows, skipped = [], []
+    for arm, entry in arms.items():
+        by_op = entry.get("bytes_per_step_by_op", {})
+        for op in _ordered_ops({arm: entry}):
+            intra, inter = by_op[op].get("intra_node", 0.0), by_op[op].get("inter_node", 0.0)
+            if intra or inter:
+                rows.append([arm, op, _mb(intra), _mb(inter)])
+            else:
+                skipped.append(f"{arm}/{op}")
+    calls = ", ".join(f"{arm} {_fmt(e.get('collective_calls_per_step'), '.1f')}" for arm, e in arms.items())
+    return ["## Bytes per collective kind", "", *_md_table(["arm", "collective", "intra MB/step", "inter MB/step"],
+                                                              rows, text_columns=2), "",
+            f"Collectives with no bytes in this run: {', '.join(skipped) or 'none'} (point-to-point bytes are counted "
+            f"by the sender, so `recv` is always 0). Collective calls per optimizer step: {calls}.", ""]
+
+
+def _parity(arms: dict) -> list[str]:
+    ref = arms.get(REFERENCE_ARM)
+    rows = []
+    for arm, entry in arms.items():
+        losses = entry["losses"]
+        if ref is None:
+            rel = absolute = same = NA
+        else:
+            pairs = list(zip(losses, ref["losses"]))
+            rel = f"{max_rel_loss_diff(losses, ref['losses']):.2e}"
+            absolute = f"{max(abs(a - b) for a, b in pairs):.2e}"
+            same = f"{sum(a == b for a, b in pairs)}/{len(pairs)}"
+        rows.append([arm, f"{losses[-1]:.9f}", rel, absolute, same])
+    return ["## Loss parity", "",
+            *_md_table(["arm", "final loss", "max |rel diff| vs zero3", "max |abs diff| vs zero3",
+                        "steps bit-identical to zero3"], rows), "",
+            "Losses are the mean over ranks of each optimizer step's loss, with the same weights, data and seed in "
+            "every arm." + ("" if ref else " No zero3 arm was run, so there is no reference."), ""]
+
+
+def _memory(arms: dict) -> list[str]:
+    roles = {r for e in arms.values() for r in (e.get("model_state_bytes") or {}) if r != "total"}
+    roles = [r for r in STATE_ORDER if r in roles] + sorted(roles - set(STATE_ORDER))
+    rows = [[arm] + [_mb((e.get("model_state_bytes") or {}).get(r)) for r in (*roles, "total")]
+            for arm, e in arms.items()]
+    return ["## Model-state memory (rank 0, MB)", "", *_md_table(["arm", *roles, "total"], rows), ""]
+
+
+HOW_TO_READ = """## How to read this
+
+- **Bytes** are what the communication ledger records for every collective the engine issues: under the ring
+  model one rank sends (n-1)/n x S for an all-gather or reduce-scatter of total size S over n ranks, 2(n-1)/n x S
+  for an all-reduce, and S for a point-to-point send. A collective is counted as inter-node when its group spans
+  more than one node, so for a world-wide collective all of its ring bytes count as inter-node, including hops
+  that stay inside a node; the link/wire columns (when present) give the bytes that actually crossed node links.
+- **Times** come from {ranks} CPU rank processes sharing {cpus} cores, talking through gloo. Absolute step times
+  are not GPU times and should not be compared with them; compare the ratios between arms, which were measured
+  side by side on the same host with the same workload.
+- **Loss parity**: the arms change only where tensors live and which group reduces them, so losses should agree
+  up to the rounding of a different summation order (fp32 unit roundoff is about 6e-8), or exactly.
+- **Peak RSS** includes each process's Python and torch runtime; the differences between arms are what matter.
+"""
+
+
+# ------------------------------------------------------------------------------------------------- plots
+def _new_figure(rows: int, cols: int, size: tuple[float, float], **kwargs):
+    # A bare Figure on the Agg canvas: no pyplot, so no global state and no display is ever touched.
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise ImportError("the benchmark report needs matplotlib: pip install 'ds-asynchzp[bench]'") from exc
+    fig = Figure(figsize=size, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig, fig.subplots(rows, cols, squeeze=False, **kwargs)
+
+
+def _style(arm: str, index: int) -> tuple[str, str, float]:
+    return ARM_STYLES.get(arm, (f"C{index}", "-.", 2.0))
+
+
+def _plot_loss(arms: dict, path: Path) -> None:
+    fig, axes = _new_figure(2, 1, (8, 7), sharex=True)
+    ax_loss, ax_diff = axes[0, 0], axes[1, 0]
+    ref = arms.get(REFERENCE_ARM)
+    for i, (arm, entry) in enumerate(arms.items()):
+        color, dash, width = _style(arm, i)
+        steps = range(1, len(entry["losses"]) + 1)
+        ax_loss.plot(steps, entry["losses"], dash, color=color, linewidth=width, marker="o", markersize=4, label=arm)
+        if ref is None or arm == REFERENCE_ARM:
+            continue
+        diffs = [(s, abs(a - b) / abs(b) if b else abs(a - b))
+                 for s, a, b in zip(steps, entry["losses"], ref["losses"])]
+        drawn = [(s, d) for s, d in diffs if d > 0]  # zero has no place on a log axis; counted in the label
+        label = f"{arm} ({len(diffs) - len(drawn)}/{len(diffs)} steps identical, not drawn)"
+        ax_diff.plot([s for s, _ in drawn], [d for _, d in drawn], dash, color=color, marker="o", label=label)
+    ax_loss.set(title="Training loss per optimizer step (mean over ranks; identical curves overlap)", ylabel="loss")
+    ax_loss.legend()
+    ax_loss.grid(alpha=0.3)
+    ax_diff.set_yscale("log")
+    ax_diff.set(title="|loss - zero3 loss| / zero3 loss", xlabel="optimizer step", ylabel="relative difference")
+    if ref is None:
+        ax_diff.text(0.5, 0.5, "no zero3 arm in this run", ha="center", transform=ax_diff.transAxes)
+    elif len(arms) > 1:
+        ax_diff.legend()
+    positive = [d for line in ax_diff.get_lines() for d in line.get_ydata()]
+    if positive:
+        # Whole decades, so the size of a difference reads off the axis even when all points sit in one decade.
+        ax_diff.set_ylim(10 ** math.floor(math.log10(min(positive))), 10 ** math.ceil(math.log10(max(positive))))
+    ax_diff.grid(alpha=0.3, which="both")
+    ax_diff.xaxis.get_major_locator().set_params(integer=True)
+    fig.savefig(path, dpi=110)
+
+
+def _plot_bytes(arms: dict, stats: dict, path: Path) -> None:
+    fig, axes = _new_figure(1, 2, (11, 5), sharey=True)
+    names, ops = list(arms), _ordered_ops(arms)
+    for ax, where, title in ((axes[0, 0], "intra_node", "intra-node"), (axes[0, 1], "inter_node", "inter-node")):
+        bottoms = [0.0] * len(names)
+        for k, op in enumerate(ops):
+            heights = [arms[a].get("bytes_per_step_by_op", {}).get(op, {}).get(where, 0.0) / MB for a in names]
+            if any(heights):
+                ax.bar(names, heights, bottom=bottoms, color=f"C{k}", label=op)
+                bottoms = [b + h for b, h in zip(bottoms, heights)]
+        for x, arm in enumerate(names):
+            ax.annotate(f"{stats[arm]['intra' if where == 'intra_node' else 'inter'] / MB:.2f}", (x, bottoms[x]),
+                        ha="center", va="bottom", xytext=(0, 2), textcoords="offset points")
+        if where == "inter_node":
+            # Side by side, so a measurement that matches its prediction does not hide it.
+            for key, dx, style, label in (("link", -0.15, {"marker": "D", "facecolors": "none", "edgecolors": "black"},
+                                           "ledger: bytes crossing node links"),
+                                          ("wire", 0.15, {"marker": "*", "color": "red"},
+                                           "measured on emulated links")):
+                points = [(x + dx, stats[a][key] / MB) for x, a in enumerate(names) if stats[a][key] is not None]
+                if points:
+                    ax.scatter(*zip(*points), s=80, zorder=3, label=label, **style)
+        ax.set(title=f"{title} (ring model, per rank)", xlabel="arm")
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize="small")
+    tallest = max(max(s["intra"], s["inter"], s["link"] or 0, s["wire"] or 0) for s in stats.values()) / MB
+    axes[0, 0].set_ylim(0, tallest * 1.12 or 1.0)  # room for the totals above the tallest bar
+    axes[0, 0].set_ylabel("MB sent per optimizer step (10^6 bytes)")
+    fig.suptitle("Bytes per optimizer step by collective kind (steady-state mean over ranks)")
+    fig.savefig(path, dpi=110)
+
+
+def _plot_step_time(arms: dict, stats: dict, path: Path) -> None:
+    fig, axes = _new_figure(1, 1, (8, 5))
+    ax, names = axes[0, 0], list(arms)
+    ref = stats.get(REFERENCE_ARM)
+    medians = [stats[a]["step_median"] for a in names]
+    ax.bar(names, medians, color=[_style(a, i)[0] for i, a in enumerate(names)], alpha=0.75, label="median")
+    exposed = [stats[a]["exposed"] for a in names]
+    if any(e is not None for e in exposed):
+        ax.bar(names, [e or 0.0 for e in exposed], fill=False, hatch="//", edgecolor="black",
+               label="of which in collectives (median)")
+    for x, arm in enumerate(names):
+        samples = stats[arm]["samples"]
+        # Fixed horizontal spread instead of random jitter, so the same file gives the same picture.
+        offsets = [0.0] if len(samples) == 1 else [-0.25 + 0.5 * i / (len(samples) - 1) for i in range(len(samples))]
+        ax.scatter([x + o for o in offsets], samples, s=12, color="black", zorder=3,
+                   label=stats[arm]["sample_kind"] if x == 0 else None)
+        ax.hlines(stats[arm]["step_min"], x - 0.4, x + 0.4, color="red", linestyles="--", zorder=4,
+                  label="min" if x == 0 else None)
+        speedup = ref and _ratio(ref["step_median"], stats[arm]["step_median"])
+        # Inside the bar above the hatched part, where no sample point or hatch can cover it.
+        floor = min(exposed[x] or 0.0, medians[x])
+        label = f"median\n{medians[x]:.3f} s" + (f"\n{speedup:.2f}x vs zero3" if speedup else "")
+        ax.text(x, (floor + medians[x]) / 2, label,
+                ha="center", va="center", bbox={"facecolor": "white", "alpha": 0.7, "edgecolor": "none"})
+    ax.set(title="Time per optimizer step (slowest rank)", xlabel="arm", ylabel="seconds per optimizer step")
+    ax.set_ylim(0, max(max(s["samples"]) for s in stats.values()) * 1.3)  # headroom for the legend
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize="small", loc="upper center", ncols=4)
+    fig.savefig(path, dpi=110)
+
+
+# -------------------------------------------------------------------------------------------------- entry
+def write_report(results: dict, out_dir: Path) -> Path:
+    """Write ``out_dir/report.md`` and its plots for one results.json structure; returns the report's path."""
+    arms, config, env = results.get("arms") or {}, results.get("config") or {}, results.get("env") or {}
+    if not arms:
+        raise ValueError("results hold no arm to report on")
+    results = dict(results, config=config, env=env)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stats = {arm: arm_stats(entry, config) for arm, entry in arms.items()}
+    _plot_loss(arms, out_dir / "loss.png")
+    _plot_bytes(arms, stats, out_dir / "bytes.png")
+    _plot_step_time(arms, stats, out_dir / "step_time.png")
+    title = (f"# asynchzp-bench A/B report: {', '.join(arms)} on `{config.get('model', NA)}`, "
+             f"{config.get('world_size') or config.get('nproc', NA)} CPU ranks")
+    lines = [title, "", *_provenance(env, config), *_workload(results), *_results_table(arms, stats),
+             *_bytes_table(arms), *_parity(arms), *_memory(arms), "## Plots", "",
+             "![loss per optimizer step and relative difference vs zero3](loss.png)", "",
+             "![bytes per optimizer step by collective kind](bytes.png)", "",
+             "![time per optimizer step](step_time.png)", "",
+             HOW_TO_READ.format(ranks=config.get("nproc", NA), cpus=env.get("host_cpus", NA))]
+    path = out_dir / "report.md"
+    path.write_text("\n".join(lines).rstrip("\n") + "\n", encoding="utf-8")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m ds_asynchzp.bench.report",
+        description="Regenerate report.md and its plots from an asynchzp-bench results.json.")
+    parser.add_argument("results", type=Path, help="results.json written by asynchzp-bench")
+    parser.add_argument("--out", type=Path, default=None, help="output directory (default: next to RESULTS)")
+    args = parser.parse_args(argv)
+    try:
+        results = json.loads(args.results.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        parser.error(f"cannot read {args.results}: {exc}")
+    path = write_report(results, args.out or args.results.parent)
+    print(f"report: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

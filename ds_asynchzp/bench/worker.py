@@ -1,0 +1,156 @@
+"""One rank of one benchmark arm: train the benchmark model and report what was measured.
+
+Run by `ds_asynchzp.launch.launch_local` as ``ds_asynchzp.bench.worker:run_arm`` in a fresh process per
+rank and per arm: DeepSpeed keeps process-wide state (the hpZ group, the comm backend, the ledger's
+wrappers), so arms never share an interpreter.
+
+Every arm gets the same model weights (seeded build), the same batches (`batch_for` is a pure function of
+step, micro-step, rank and seed) and the same ZeRO-3 knobs; only the arm-specific part of the ds_config
+differs. Nothing here issues a collective inside the measured steps, so the ledger sees only the engine's own
+traffic; the parent averages the per-rank losses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import resource
+import time
+
+# Payload keys the parent must provide (see `ds_asynchzp.bench.cli`).
+PAYLOAD_KEYS = ("arm", "ds_config", "expected_optimizer", "model", "moe_experts", "seq_len", "steps",
+                "grad_accum", "micro_batch", "seed", "node_size")
+
+
+def _model_config(preset: str, moe_experts: int, seq_len: int):
+    from .model import MODEL_PRESETS
+
+    cfg = MODEL_PRESETS[preset]
+    changes = {}
+    if moe_experts:
+        changes["moe_experts"] = moe_experts
+    # The position tables are sized by the config; only grow them when the requested sequence would not fit,
+    # so a shorter --seq-len trains the preset's exact architecture.
+    if seq_len > cfg.seq_len:
+        changes["seq_len"] = seq_len
+    return dataclasses.replace(cfg, **changes) if changes else cfg
+
+
+def _check_optimizer(engine, expected: str) -> str:
+    name = type(engine.optimizer).__name__
+    if expected not in name:
+        raise RuntimeError(f"arm expects an optimizer whose class name contains {expected!r}, but the engine "
+                           f"built {type(engine.optimizer).__module__}.{name}; the arm would not measure what "
+                           "it claims to")
+    return name
+
+
+def _peak_rss_bytes() -> int:
+    # Linux reports ru_maxrss in KiB.
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+PROGRESS_MARK = "asynchzp-bench-step"
+LINK_DEVICE = "eth0"
+
+
+def _node_link_counter() -> str:
+    return f"/sys/class/net/{LINK_DEVICE}/statistics/tx_bytes"
+
+
+def _read_int(path: str) -> int:
+    with open(path, encoding="ascii") as f:
+        return int(f.read())
+
+
+def run_arm(payload: dict) -> dict:
+    """Train `steps` optimizer steps under one arm on this rank; return per-step loss, time and bytes."""
+    missing = [k for k in PAYLOAD_KEYS if k not in payload]
+    if missing:
+        raise ValueError(f"benchmark payload lacks {missing}")
+
+    # Start-up is timed apart from training, in phases: on a loaded host (or while DeepSpeed JIT-builds an
+    # op) it can dwarf the measured steps, and the phase shows where.
+    phases, phase_start = {}, time.perf_counter()
+    if "launched_at" in payload:
+        # Interpreter start plus importing this package (and with it torch and deepspeed) before we ran.
+        phases["spawn_s"] = max(0.0, time.time() - payload["launched_at"])
+
+    def phase_done(name: str) -> None:
+        nonlocal phase_start
+        now = time.perf_counter()
+        phases[name] = now - phase_start
+        phase_start = now
+
+    import deepspeed
+    import torch
+
+    import ds_asynchzp
+    from ds_asynchzp import ledger
+    from ds_asynchzp.memory import model_state_bytes
+
+    from .data import batch_for
+    from .model import build_model
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    ledger.install(payload["node_size"])
+    rank, world = deepspeed.comm.get_rank(), deepspeed.comm.get_world_size()
+    phase_done("init_distributed_s")
+
+    seed = payload["seed"]
+    torch.manual_seed(seed)
+    model = build_model(_model_config(payload["model"], payload["moe_experts"], payload["seq_len"]), seed=seed)
+    engine, *_ = ds_asynchzp.initialize(model=model,
+                                        model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                        config=payload["ds_config"])
+    optimizer_class = _check_optimizer(engine, payload["expected_optimizer"])
+    phase_done("initialize_s")
+
+    grad_accum, micro_batch, seq_len = payload["grad_accum"], payload["micro_batch"], payload["seq_len"]
+    # On an emulated cluster, local rank 0 of each node reads its node link's transmit counter (visible inside
+    # the node's namespace): what really crossed between nodes, headers included.
+    link_counter = _node_link_counter() if payload.get("read_link_counter") and rank % payload["node_size"] == 0 else None
+    steps = []
+    for step in range(payload["steps"]):
+        mark = ledger.mark()
+        tx_before = _read_int(link_counter) if link_counter else None
+        start = time.perf_counter()
+        loss_sum = 0.0
+        for micro in range(grad_accum):
+            x, y = batch_for(step, micro, rank, world, micro_batch, seq_len, seed)
+            loss = engine(x, y)
+            engine.backward(loss)
+            if step == payload["steps"] - 1 and micro == grad_accum - 1:
+                # Measured before the last optimizer step: stock hpZ drops its secondary shards in the step,
+                # so afterwards its working memory would be under-counted.
+                model_states = model_state_bytes(engine)
+            engine.step()
+            # .item() only syncs this rank's own computation; it is not a collective.
+            loss_sum += loss.item()
+        elapsed = time.perf_counter() - start
+        comm = ledger.summary(mark)
+        if rank == 0:
+            # Progress for the launcher's progress bar (it follows rank 0's log).
+            print(f"{PROGRESS_MARK} {step + 1}/{payload['steps']}", flush=True)
+        steps.append({
+            "link_bytes": comm["link_bytes"],
+            "comm_s": comm["seconds"],
+            "node_tx_bytes": _read_int(link_counter) - tx_before if link_counter else None,
+            "loss": loss_sum / grad_accum,
+            "time_s": elapsed,
+            "intra_node": comm["intra_node"],
+            "inter_node": comm["inter_node"],
+            "calls": comm["calls"],
+            "by_op": {op: {"intra_node": v["intra_node"], "inter_node": v["inter_node"], "calls": v["calls"]}
+                      for op, v in comm["by_op"].items()},
+        })
+
+    return {
+        "rank": rank,
+        "world_size": world,
+        "arm": payload["arm"],
+        "optimizer_class": optimizer_class,
+        "steps": steps,
+        "startup_s": phases,
+        "model_state_bytes": model_states,
+        "peak_rss_bytes": _peak_rss_bytes(),
+    }

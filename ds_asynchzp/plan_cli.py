@@ -1,0 +1,211 @@
+"""``asynchzp-plan``: memory, bytes and communication time per optimizer step for a cluster, before training.
+
+    asynchzp-plan --params 70B --world 1024 --node-size 16 --intra-bw 400GB/s --inter-bw 200Gbit \\
+                  --grad-accum 8 --device-memory 64GB
+    asynchzp-plan --check bench_out/results.json     # formulas against an asynchzp-bench run
+
+The numbers come from :mod:`ds_asynchzp.planner` (which uses the same traffic formulas, memory model and
+``"auto"`` rule as the engine). ``--json`` prints the same content machine-readably. Exit status: 0, 1 when
+``--check`` finds a difference above 5 %, 2 for bad arguments or an unreadable results.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from . import planner
+from .sizing import BYTES_PER_GB
+
+GB = 1e9  # traffic is shown in decimal gigabytes, memory in GiB (BYTES_PER_GB), as the legend says
+
+
+def _argtype(parse):
+    # argparse shows ArgumentTypeError messages verbatim, so the parser's own explanation reaches the user.
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    convert.__name__ = parse.__name__
+    return convert
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise ValueError(f"must be >= 1, got {value}")
+    return value
+
+
+def _shard_size(text: str) -> int | str:
+    return "auto" if text == "auto" else _positive_int(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="asynchzp-plan",
+        description="Model-state memory per rank, intra/inter-node bytes and communication time per optimizer "
+                    "step for zero3, hpz, zeropp, asynchzp and asynchzp-q on a given cluster; or --check the "
+                    "formulas against an asynchzp-bench results.json.")
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument("--params", type=_argtype(planner.parse_count),
+                       help="parameter count, e.g. 7e9, 70B, 1.3M (B = 10^9)")
+    model.add_argument("--model-json", metavar="FILE",
+                       help='JSON {"layers", "hidden", "vocab", "ffn_hidden"?, "tied"?}; '
+                            "params = L*(4h^2 + 2*h*ffn) + vocab*h*(1 if tied else 2), ffn default 4h")
+    parser.add_argument("--world", type=_argtype(_positive_int), help="data-parallel ranks")
+    parser.add_argument("--node-size", type=_argtype(_positive_int), help="ranks per node; divides --world")
+    parser.add_argument("--intra-bw", type=_argtype(planner.parse_bandwidth),
+                        help="intra-node bandwidth per rank, e.g. 400GB/s (B = bytes, b/bit = bits, G = 10^9)")
+    parser.add_argument("--inter-bw", type=_argtype(planner.parse_bandwidth),
+                        help="inter-node bandwidth per rank, e.g. 200Gbit or 25GB/s")
+    parser.add_argument("--grad-accum", type=_argtype(_positive_int), default=1,
+                        help="micro-steps per optimizer step (default: %(default)s)")
+    parser.add_argument("--device-memory", type=_argtype(planner.parse_memory),
+                        help='memory per device, e.g. 80GB (GB = GiB here); "auto" budgets half of it')
+    parser.add_argument("--memory-budget", type=_argtype(planner.parse_memory),
+                        help="model-state budget per rank for \"auto\" (like async_hzp.memory_budget_gb); "
+                             "default: half of --device-memory, else detected on this machine")
+    parser.add_argument("--dtype", default="bf16", choices=sorted(planner.DTYPE_BYTES),
+                        help="parameter and gradient-communication dtype (default: %(default)s)")
+    parser.add_argument("--param-shard-size", type=_argtype(_shard_size), default="auto",
+                        help='d_p: "auto" or a divisor of --node-size (default: %(default)s)')
+    parser.add_argument("--grad-shard-size", type=_argtype(_shard_size), default=None,
+                        help="d_g: \"auto\" or an integer (default: follows --param-shard-size)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    parser.add_argument("--check", metavar="RESULTS_JSON",
+                        help="compare the formulas with the bytes measured by asynchzp-bench; exit 1 above 5 %%")
+    return parser
+
+
+# ------------------------------------------------------------------------------------------- the plan
+def _num_params(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.params is not None:
+        return args.params
+    try:
+        spec = json.loads(Path(args.model_json).read_text(encoding="utf-8"))
+        if not isinstance(spec, dict):
+            raise ValueError("it must hold a JSON object")
+        return planner.params_from_model_spec(spec)
+    except (OSError, ValueError) as exc:
+        parser.error(f"--model-json {args.model_json}: {exc}")
+
+
+def _rate(bytes_per_s: float) -> str:
+    return f"{bytes_per_s / GB:g} GB/s ({bytes_per_s * 8 / GB:g} Gbit/s)"
+
+
+def _gib(n: float) -> str:
+    return f"{n / BYTES_PER_GB:.2f} GiB"
+
+
+def _params(n: int) -> str:
+    for scale, suffix in ((10**12, "T"), (10**9, "B"), (10**6, "M"), (10**3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return str(n)
+
+
+def format_plan(result: dict) -> str:
+    inp, auto, layout = result["inputs"], result["auto"], result["layout"]
+    lines = [
+        f"model: {_params(inp['params'])} params ({inp['padded_params']:,} padded to a multiple of the world), "
+        f"{inp['dtype']}; grad accumulation {inp['grad_accum']}",
+        f"cluster: world {inp['world']} = {inp['nodes']} nodes x {inp['node_size']} ranks; per rank intra "
+        f"{_rate(inp['intra_bw_bytes_per_s'])}, inter {_rate(inp['inter_bw_bytes_per_s'])}"
+        + (f"; device memory {_gib(inp['device_memory_bytes'])}" if inp["device_memory_bytes"] else ""),
+    ]
+    budget = f"budget {_gib(auto['budget_bytes'])}, {auto['budget_source']}"
+    if auto["error"] is None:
+        lines.append(f'"auto" picks (sizing.choose_shard_sizes, {budget}): d_p={auto["d_p"]} d_g={auto["d_g"]} '
+                     f"d_o={auto['d_o']}")
+    else:
+        lines.append(f'"auto" finds no layout ({budget}): {auto["error"]}')
+    lines.append(f"asynchzp arms use d_p={layout['d_p']} d_g={layout['d_g']} d_o={layout['d_o']} "
+                 f"({layout['source']})")
+
+    header = ["arm", "model states/rank", "fits", "intra GB/step", "inter GB/step", "intra s", "inter s",
+              "comm s/step"]
+    rows = [header]
+    for arm, entry in result["arms"].items():
+        fits = entry["fits_device_memory"]
+        moved, times = entry["bytes_per_step"], entry["comm_time_s"]
+        rows.append([arm, _gib(entry["model_state_bytes"]["total"]), "?" if fits is None else ("yes" if fits else "NO"),
+                     f"{moved['intra_node'] / GB:,.1f}", f"{moved['inter_node'] / GB:,.1f}",
+                     f"{times['intra_node']:.2f}", f"{times['inter_node']:.2f}", f"{times['total']:.2f}"])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    table = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+             for row in rows]
+    legend = [f"  {arm}: {entry['description']}" for arm, entry in result["arms"].items()]
+    legend += [f"  - {a}" for a in result["assumptions"]]
+    return "\n".join(lines + [""] + table + ["", "Arms and assumptions (GB = 10^9 bytes, GiB = 2^30):"] + legend)
+
+
+# ------------------------------------------------------------------------------------------ the check
+def format_check(report: dict, path: str) -> str:
+    inp, el = report["inputs"], report["elements"]
+    lines = [f"check {path}: world {inp['world']}, node size {inp['node_size']}, grad accumulation "
+             f"{inp['grad_accum']}, {inp['dtype']}; padded elements P_g={el['gathered']:,} P_r={el['reduced']:,} "
+             f"P_t={el['trainable']:,}"]
+    if report["asynchzp_layout"]:
+        lines[0] += f"; asynchzp d_p={report['asynchzp_layout']['d_p']} d_g={report['asynchzp_layout']['d_g']}"
+    rows = [["arm", "bytes/step", "predicted", "measured", "diff", ""]]
+    for r in report["rows"]:
+        diff = "-" if r["rel_diff"] is None else f"{r['rel_diff']:+.2%}"
+        rows.append([r["arm"], r["quantity"], f"{r['predicted']:,.0f}", f"{r['measured']:,.0f}", diff,
+                     "ok" if r["ok"] else "MISMATCH"])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines += [""] + ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+                     for row in rows]
+    lines += [f"note: {n}" for n in report["notes"]]
+    if any(r["quantity"] == "inter_node_wire" for r in report["rows"]):
+        lines.append(f"inter_node_wire: link bytes / {planner.WIRE_OVERHEAD_FACTOR:.4f} (TCP/IP headers, MTU 1500)")
+    tolerance = (f"within {planner.CHECK_RTOL:.0%} of the prediction (below "
+                 f"{planner.ZERO_PREDICTION_SLACK_BYTES} B where 0 is predicted)")
+    lines.append(f"PASS: every figure {tolerance}" if report["ok"] else f"FAIL: not every figure {tolerance}")
+    return "\n".join(lines)
+
+
+def run_check(path: str, as_json: bool) -> int:
+    try:
+        results = json.loads(Path(path).read_text(encoding="utf-8"))
+        report = planner.check_results(results)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        # A missing key means the file is not an asynchzp-bench results.json (or a much older one).
+        what = f"missing key {exc}" if isinstance(exc, KeyError) else str(exc)
+        print(f"asynchzp-plan: cannot check {path}: {what}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2) if as_json else format_check(report, path))
+    return 0 if report["ok"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.check:
+        return run_check(args.check, args.json)
+
+    missing = [flag for flag, value in (("--params or --model-json", args.params or args.model_json),
+                                        ("--world", args.world), ("--node-size", args.node_size),
+                                        ("--intra-bw", args.intra_bw), ("--inter-bw", args.inter_bw))
+               if value is None]
+    if missing:
+        parser.error(f"planning needs {', '.join(missing)}")
+    try:
+        result = planner.plan(_num_params(args, parser), args.world, args.node_size, args.grad_accum, args.dtype,
+                              args.intra_bw, args.inter_bw, args.device_memory, args.memory_budget,
+                              args.param_shard_size, args.grad_shard_size)
+    except ValueError as exc:  # includes AsyncHZPConfigError for an invalid explicit layout
+        parser.error(str(exc))
+    print(json.dumps(result, indent=2) if args.json else format_plan(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""The ``asynchzp-bench`` command: flag validation, and one small end-to-end comparison on CPU ranks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ds_asynchzp.bench import cli
+from ds_asynchzp.bench.aggregate import aggregate_arm, merge_repeats
+from ds_asynchzp.bench.table import format_table
+
+
+def _fails_with(capsys, argv: list[str], fragment: str) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2  # argparse's usage-error code
+    assert fragment in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--nproc", "6", "--node-size", "4"], "not a multiple of --node-size"),
+    (["--arms", "zero3,zero9"], "unknown arm(s) 'zero9'"),
+    (["--arms", "zero3,zero3"], "listed twice"),
+    (["--arms", ","], "at least one arm"),
+    (["--model", "huge"], "invalid choice: 'huge'"),
+    (["--steps", "3", "--warmup-steps", "3"], "--warmup-steps 3 must be < --steps 3"),
+    (["--steps", "0"], "must be >= 1"),
+    (["--dtype", "fp8"], "invalid choice: 'fp8'"),
+    (["--lr", "-1"], "must be > 0"),
+])
+def test_bad_flags_fail_before_any_rank_starts(capsys, monkeypatch, tmp_path, argv, fragment):
+    def no_launch(*args, **kwargs):
+        raise AssertionError("ranks were started despite invalid flags")
+
+    monkeypatch.setattr("ds_asynchzp.launch.launch_local", no_launch)
+    _fails_with(capsys, [*argv, "--out", str(tmp_path / "out")], fragment)
+    assert not (tmp_path / "out").exists()
+
+
+def test_fp16_is_refused_up_front_where_the_cpu_lacks_it(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "cpu_supports_fp16", lambda: False)
+    _fails_with(capsys, ["--dtype", "fp16"], "--dtype fp16")
+    monkeypatch.setattr(cli, "cpu_supports_fp16", lambda: True)
+    assert cli.parse_args(["--dtype", "fp16"]).dtype == "fp16"
+
+
+def test_defaults_and_arm_configs_share_the_zero3_knobs():
+    args = cli.parse_args([])
+    assert (args.arms, args.nproc, args.node_size, args.model, args.steps, args.grad_accum) == (
+        ["zero3", "hpz", "asynchzp"], 4, 2, "small", 6, 4)
+    configs = {arm: cli.ds_config_for(arm, args) for arm in args.arms}
+    for config in configs.values():
+        zero = dict(config["zero_optimization"])
+        zero.pop("zero_hpz_partition_size", None)
+        assert zero == cli.ZERO3_KNOBS
+        assert config["optimizer"] == {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}
+        assert "bf16" not in config and "fp16" not in config
+    assert configs["hpz"]["zero_optimization"]["zero_hpz_partition_size"] == 2
+    assert configs["asynchzp"]["async_hzp"] == {"node_size": 2}
+    assert "async_hzp" not in configs["zero3"] and "async_hzp" not in configs["hpz"]
+    assert cli.ds_config_for("zero3", cli.parse_args(["--dtype", "bf16"]))["bf16"] == {"enabled": True}
+    fp16_args = cli.parse_args(["--dtype", "bf16"])
+    fp16_args.dtype = "fp16"  # parse_args would refuse fp16 on a CPU without it
+    assert cli.ds_config_for("zero3", fp16_args)["fp16"] == {
+        "enabled": True, "initial_scale_power": 8}
+
+
+def _fake_rank(rank: int, losses, times, inter, rss: int, node_tx=None) -> dict:
+    node_tx = node_tx or [None] * len(losses)
+    steps = [{"loss": l, "time_s": t, "intra_node": 10.0, "inter_node": b, "calls": 3, "link_bytes": b / 2,
+              "comm_s": t / 2, "node_tx_bytes": tx,
+              "by_op": {"all_gather": {"intra_node": 10.0, "inter_node": b, "calls": 3}}}
+             for l, t, b, tx in zip(losses, times, inter, node_tx)]
+    return {"rank": rank, "optimizer_class": "DeepSpeedZeroOptimizer_Stage3", "steps": steps,
+            "startup_s": {"spawn_s": 1.0 + rank}, "model_state_bytes": {"total": 100 + rank},
+            "peak_rss_bytes": rss}
+
+
+def test_aggregation_rules_and_table():
+    args = cli.parse_args(["--nproc", "2", "--node-size", "1", "--steps", "3", "--warmup-steps", "1",
+                           "--micro-batch", "1", "--seq-len", "8", "--grad-accum", "1"])
+    ranks = [_fake_rank(1, [3.0, 2.0, 1.0], [9.0, 1.0, 3.0], [999.0, 4.0, 6.0], 50),
+             _fake_rank(0, [1.0, 2.0, 3.0], [5.0, 2.0, 2.0], [999.0, 8.0, 10.0], 70)]
+    entry = aggregate_arm(ranks, args.warmup_steps, cli.tokens_per_optimizer_step(args))
+    assert entry["losses"] == [2.0, 2.0, 2.0]  # mean over ranks
+    assert entry["step_time_s"] == [9.0, 2.0, 3.0]  # slowest rank
+    assert entry["median_step_time_s"] == 2.5  # warm-up step left out
+    # Per rank steady-state mean (5 and 9), then the mean over ranks; the warm-up step's 999 is left out.
+    assert entry["bytes_per_step"] == {"intra_node": 10.0, "inter_node": 7.0}
+    assert entry["bytes_per_step_by_op"]["all_gather"]["inter_node"] == 7.0
+    assert entry["peak_memory_bytes"] == 70 and entry["model_state_bytes"] == {"total": 100}
+    assert entry["tokens_per_s"] == 2 * 1 * 8 * 1 / 2.5
+    assert entry["link_bytes_inter_node_per_step"] == 3.5
+    assert entry["wire_bytes_inter_node_per_step"] is None  # loopback: no link counters
+    assert entry["exposed_comm_s_per_step"] == 1.0  # median over steady steps of the rank-mean (0.75, 1.25)
+
+    other = dict(entry, losses=[2.0, 2.0, 2.2], bytes_per_step={"intra_node": 0.0, "inter_node": 3.5})
+    table = format_table({"config": {}, "arms": {"zero3": entry, "asynchzp": other}})
+    asynchzp_row = next(line for line in table.splitlines() if line.startswith("| asynchzp"))
+    assert "1.00e-01" in asynchzp_row and "0.500" in asynchzp_row  # loss rel diff, inter ratio
+    assert "n/a" in format_table({"config": {}, "arms": {"asynchzp": other}})
+
+
+def test_small_run_matches_zero3_with_less_inter_node_traffic(tmp_path, capsys):
+    steps = 3
+    code = cli.main(["--arms", "zero3,asynchzp", "--nproc", "4", "--node-size", "2", "--model", "tiny",
+                     "--steps", str(steps), "--grad-accum", "2", "--warmup-steps", "1", "--seq-len", "32",
+                     "--out", str(tmp_path), "--timeout", "300"])
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert "[1/2] zero3: 4 ranks" in printed and "[2/2] asynchzp: 4 ranks" in printed
+
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert {"config", "env", "arms"} <= results.keys()
+    config = results["config"]
+    assert config["zero_optimization"] == cli.ZERO3_KNOBS
+    assert config["tokens_per_optimizer_step"] == 4 * 2 * 32 * 2
+    assert {"torch", "deepspeed", "ds_asynchzp", "python", "git_commit", "host_cpus", "date"} <= results["env"].keys()
+    assert list(results["arms"]) == ["zero3", "asynchzp"]
+
+    required = {"losses", "step_time_s", "bytes_per_step", "bytes_per_step_by_op", "peak_memory_bytes",
+                "model_state_bytes", "optimizer_class", "tokens_per_s"}
+    for entry in results["arms"].values():
+        assert required <= entry.keys()
+        assert len(entry["losses"]) == steps and len(entry["step_time_s"]) == steps
+        assert entry["peak_memory_bytes"] > 0 and entry["model_state_bytes"]["total"] > 0
+        assert entry["tokens_per_s"] > 0
+
+    zero3, hzp = results["arms"]["zero3"], results["arms"]["asynchzp"]
+    assert zero3["optimizer_class"] == "DeepSpeedZeroOptimizer_Stage3"
+    assert "HierarchicalZeroOptimizer" in hzp["optimizer_class"]
+    for ours, reference in zip(hzp["losses"], zero3["losses"]):
+        assert ours == pytest.approx(reference, rel=1e-6)
+    assert hzp["bytes_per_step"]["inter_node"] < zero3["bytes_per_step"]["inter_node"]
+
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| asynchzp" in summary and "inter ratio vs zero3" in summary
+
+
+def test_node_link_counters_and_repeats():
+    """Link counters come from one reader per node; repeats keep the first run's bytes and add min/median timings."""
+    args = cli.parse_args(["--nproc", "2", "--node-size", "1", "--steps", "2", "--warmup-steps", "1",
+                           "--micro-batch", "1", "--seq-len", "8", "--grad-accum", "1"])
+    tokens = cli.tokens_per_optimizer_step(args)
+    fast = [_fake_rank(0, [1.0, 1.0], [1.0, 2.0], [0.0, 8.0], 1, node_tx=[5, 100]),
+            _fake_rank(1, [1.0, 1.0], [1.0, 2.0], [0.0, 8.0], 1, node_tx=[5, 300])]
+    slow = [dict(r, steps=[dict(st, time_s=st["time_s"] * 2) for st in r["steps"]]) for r in fast]
+    first, second = aggregate_arm(fast, 1, tokens), aggregate_arm(slow, 1, tokens)
+    # Both nodes' steady-step counters (100 + 300) over 2 ranks.
+    assert first["wire_bytes_inter_node_per_step"] == 200.0
+    merged = merge_repeats([first, second])
+    assert merged["step_time_stats_s"] == {"min": 2.0, "median": 3.0}
+    assert merged["tokens_per_s_per_rank"]["min"] == tokens / 2 / 4.0
+    assert merged["tokens_per_s"] == merged["tokens_per_s_per_rank"]["median"] * 2
+    assert [r["losses_identical_to_first"] for r in merged["repeats"]] == [True, True]
+    assert merged["bytes_per_step"] == first["bytes_per_step"]

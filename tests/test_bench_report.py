@@ -1,0 +1,207 @@
+"""The benchmark report: every number it prints comes from results.json, optional keys are used when present and
+tolerated when absent, and the plots are real PNG files. Single-process, no ranks started."""
+
+from __future__ import annotations
+
+import copy
+import json
+import statistics
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from ds_asynchzp.bench import report  # noqa: E402  (after the skip: the report needs matplotlib)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+TOKENS_PER_STEP = 8 * 2 * 64 * 4
+ENV = {"torch": "9.9.9+cpu", "deepspeed": "0.19.8", "ds_asynchzp": "0.1.0", "python": "3.11.7",
+       "git_commit": "0123456789abcdef0123456789abcdef01234567", "host_cpus": 2, "date": "2026-01-02T03:04:05+00:00"}
+
+
+def _arm(losses, step_times, intra, inter, by_op, peak_rss, state_total, optimizer):
+    median = statistics.median(step_times[1:])  # over the steady steps, as the benchmark records it
+    return {"losses": losses, "step_time_s": step_times, "median_step_time_s": median,
+            "bytes_per_step": {"intra_node": intra, "inter_node": inter},
+            "bytes_per_step_by_op": by_op, "collective_calls_per_step": 100.0,
+            "peak_memory_bytes": peak_rss, "model_state_bytes": {"param_primary": state_total // 2,
+                                                                 "master": state_total - state_total // 2,
+                                                                 "total": state_total},
+            "optimizer_class": optimizer, "tokens_per_s": TOKENS_PER_STEP / median}
+
+
+def synthetic_results(optional: bool) -> dict:
+    """Three arms on an 8-rank, 2-node layout; with `optional`, also the keys a repeated, emulated run adds."""
+    base = [5.5, 4.9, 4.6, 4.5, 4.3]
+    results = {
+        "config": {"arms": ["zero3", "hpz", "asynchzp"], "nproc": 8, "node_size": 4, "world_size": 8, "num_nodes": 2,
+                   "model": "small", "moe_experts": 0, "steps": 5, "grad_accum": 4, "micro_batch": 2, "seq_len": 64,
+                   "dtype": "fp32", "seed": 1234, "lr": 1e-3, "weight_decay": 0.01, "gradient_clipping": 1.0,
+                   "warmup_steps": 1, "zero_optimization": {"stage": 3, "overlap_comm": False},
+                   "arm_overrides": {"hpz": {"zero_optimization.zero_hpz_partition_size": 4}},
+                   "tokens_per_optimizer_step": TOKENS_PER_STEP},
+        "env": dict(ENV),
+        "arms": {
+            "zero3": _arm(base, [5.0, 4.0, 4.2, 4.1, 4.3], 0.0, 50e6,
+                          {"all_gather": {"intra_node": 0.0, "inter_node": 34e6},
+                           "reduce_scatter": {"intra_node": 0.0, "inter_node": 16e6 - 14},
+                           "all_reduce": {"intra_node": 0.0, "inter_node": 14.0}}, 400e6, 3_000_000,
+                          "DeepSpeedZeroOptimizer_Stage3"),
+            "hpz": _arm(list(base), [3.0, 2.8, 2.9, 3.1, 2.7], 25e6, 20e6,
+                        {"all_gather": {"intra_node": 25e6, "inter_node": 4e6},
+                         "reduce_scatter": {"intra_node": 0.0, "inter_node": 16e6}}, 410e6, 3_100_000,
+                        "DeepSpeedZeroOptimizer_Stage3"),
+            "asynchzp": _arm([v * (1 + 2e-8) for v in base], [3.3, 3.2, 3.4, 3.1, 3.5], 45e6, 2e6,
+                             {"all_gather": {"intra_node": 30e6, "inter_node": 1e6},
+                              "reduce_scatter": {"intra_node": 15e6, "inter_node": 1e6},
+                              "recv": {"intra_node": 0.0, "inter_node": 0.0}}, 405e6, 5_500_000,
+                             "HierarchicalZeroOptimizer"),
+        },
+    }
+    if optional:
+        results["config"]["network"] = {"mode": "emulated", "inter_node_bw": "200mbit", "inter_node_delay_ms": None,
+                                        "mtu": 9000}
+        results["config"]["repeats"] = 3
+        for k, entry in enumerate(results["arms"].values()):
+            medians = [entry["median_step_time_s"] * f for f in (1.0, 0.9, 1.1)]
+            entry["repeats"] = [{"step_time_s": entry["step_time_s"], "median_step_time_s": m,
+                                 "tokens_per_s_per_rank": TOKENS_PER_STEP / 8 / m,
+                                 "wire_bytes_inter_node_per_step": 1e6, "comm_time_s": [0.5] * 5} for m in medians]
+            entry["tokens_per_s_per_rank"] = {"min": 100.0 + k, "median": 120.0 + k}
+            entry["step_time_stats_s"] = {"min": 2.0 + k, "median": 2.5 + k}
+            entry["wire_bytes_inter_node_per_step"] = 12.5e6 + k * 1e6
+            entry["link_bytes_inter_node_per_step"] = 12e6 + k * 1e6
+            entry["exposed_comm_s_per_step"] = 0.75 + k
+    return results
+
+
+def results_rows(text: str) -> dict:
+    """{arm: {column: cell}} of the report's results table."""
+    section = text.split("## Results", 1)[1].split("\n## ", 1)[0]
+    lines = [line for line in section.splitlines() if line.startswith("|")]
+    header = [c.strip() for c in lines[0].strip("|").split(" | ")]
+    rows = [[c.strip() for c in line.strip("|").split(" | ")] for line in lines[2:]]
+    return {row[0]: dict(zip(header, row)) for row in rows}
+
+
+def assert_valid_pngs(out_dir) -> None:
+    for name in report.PLOTS:
+        data = (out_dir / name).read_bytes()
+        assert data[:8] == PNG_MAGIC, name
+        assert len(data) > 10_000, f"{name} is only {len(data)} bytes: likely an empty figure"
+
+
+@pytest.mark.parametrize("optional", [False, True], ids=["minimal-keys", "optional-keys"])
+def test_report_states_provenance_workload_and_one_row_per_arm(tmp_path, optional):
+    results = synthetic_results(optional)
+    path = report.write_report(results, tmp_path)
+    assert path == tmp_path / "report.md"
+    text = path.read_text(encoding="utf-8")
+    for value in ENV.values():
+        assert str(value) in text
+    assert "Network: " + ("emulated nodes" if optional else "not recorded") in text
+    assert "200mbit" in text if optional else "200mbit" not in text
+    assert f"**{TOKENS_PER_STEP:,} tokens per optimizer step, identical in every arm**" in text
+    assert "Warning" not in text  # the synthetic arms are self-consistent
+    assert "`zero_optimization.zero_hpz_partition_size=4`" in text
+    assert ("repeats per arm: 3" if optional else "repeats per arm: 1 (no repeats recorded)") in text
+    rows = results_rows(text)
+    assert list(rows) == ["zero3", "hpz", "asynchzp"]
+    for name in report.PLOTS:
+        assert f"]({name})" in text  # embedded with a relative link
+    assert_valid_pngs(tmp_path)
+
+
+def test_ratios_and_bytes_are_computed_from_the_inputs(tmp_path):
+    results = synthetic_results(optional=False)
+    rows = results_rows(report.write_report(results, tmp_path).read_text(encoding="utf-8"))
+    arms = results["arms"]
+    for arm, row in rows.items():
+        entry = arms[arm]
+        assert row["inter ratio vs zero3"] == f"{entry['bytes_per_step']['inter_node'] / 50e6:.3f}"
+        assert row["inter MB/step"] == f"{entry['bytes_per_step']['inter_node'] / 1e6:.3f}"
+        assert row["intra MB/step"] == f"{entry['bytes_per_step']['intra_node'] / 1e6:.3f}"
+        # Without repeats the spread is over the steady steps (warm-up step 1 excluded).
+        steady = entry["step_time_s"][1:]
+        assert row["step s min"] == f"{min(steady):.3f}"
+        assert row["step s median"] == f"{entry['median_step_time_s']:.3f}"
+        assert row["speed-up vs zero3"] == f"{arms['zero3']['median_step_time_s'] / entry['median_step_time_s']:.3f}"
+        assert row["tokens/s/rank median"] == f"{entry['tokens_per_s'] / 8:.1f}"
+        assert row["peak RSS MB"] == f"{entry['peak_memory_bytes'] / 1e6:.1f}"
+        assert row["model-state MB"] == f"{entry['model_state_bytes']['total'] / 1e6:.3f}"
+        # Measurements a loopback run lacks get no column at all.
+        assert not {"wire MB/step (measured)", "link MB/step (ledger)", "exposed comm s/step"} & set(row)
+    assert rows["hpz"]["inter ratio vs zero3"] == "0.400"
+
+
+def test_optional_keys_take_precedence_when_present(tmp_path):
+    results = synthetic_results(optional=True)
+    text = report.write_report(results, tmp_path).read_text(encoding="utf-8")
+    rows = results_rows(text)
+    for k, arm in enumerate(["zero3", "hpz", "asynchzp"]):
+        row = rows[arm]
+        assert row["tokens/s/rank min"] == f"{100.0 + k:.1f}"
+        assert row["tokens/s/rank median"] == f"{120.0 + k:.1f}"
+        assert row["step s min"] == f"{2.0 + k:.3f}"
+        assert row["step s median"] == f"{2.5 + k:.3f}"
+        assert row["speed-up vs zero3"] == f"{2.5 / (2.5 + k):.3f}"
+        assert row["wire MB/step (measured)"] == f"{12.5 + k:.3f}"
+        assert row["link MB/step (ledger)"] == f"{12.0 + k:.3f}"
+        assert row["exposed comm s/step"] == f"{0.75 + k:.3f}"
+
+
+def test_repeats_without_summary_keys_give_the_spread_over_repeats(tmp_path):
+    results = synthetic_results(optional=True)
+    for entry in results["arms"].values():
+        del entry["step_time_stats_s"], entry["tokens_per_s_per_rank"]
+    rows = results_rows(report.write_report(results, tmp_path).read_text(encoding="utf-8"))
+    median = results["arms"]["hpz"]["median_step_time_s"]
+    assert rows["hpz"]["step s min"] == f"{median * 0.9:.3f}"
+    assert rows["hpz"]["step s median"] == f"{median:.3f}"
+    assert rows["hpz"]["tokens/s/rank min"] == f"{TOKENS_PER_STEP / 8 / (median * 1.1):.1f}"
+
+
+def test_loss_parity_and_per_collective_bytes(tmp_path):
+    text = report.write_report(synthetic_results(optional=False), tmp_path).read_text(encoding="utf-8")
+    parity = text.split("## Loss parity", 1)[1].split("\n## ", 1)[0]
+    hpz_row = next(line for line in parity.splitlines() if line.startswith("| hpz"))
+    assert "0.00e+00" in hpz_row and "5/5" in hpz_row
+    asynchzp_row = next(line for line in parity.splitlines() if line.startswith("| asynchzp"))
+    assert "2.00e-08" in asynchzp_row and "0/5" in asynchzp_row
+    by_op = text.split("## Bytes per collective kind", 1)[1].split("\n## ", 1)[0]
+    # A 14-byte scalar all-reduce is not shown as zero; an op with no bytes is listed as such, not as a row.
+    assert any(line.startswith("| zero3") and "all_reduce" in line and "<0.001" in line for line in by_op.splitlines())
+    assert "asynchzp/recv" in by_op
+
+
+def test_report_without_a_zero3_arm_marks_ratios_not_available(tmp_path):
+    results = synthetic_results(optional=False)
+    del results["arms"]["zero3"]
+    rows = results_rows(report.write_report(results, tmp_path).read_text(encoding="utf-8"))
+    assert rows["hpz"]["inter ratio vs zero3"] == rows["hpz"]["speed-up vs zero3"] == "n/a"
+    assert_valid_pngs(tmp_path)
+
+
+def test_warns_when_recorded_throughput_contradicts_the_tokens_per_step(tmp_path):
+    results = synthetic_results(optional=False)
+    results["arms"]["hpz"]["tokens_per_s"] *= 2
+    assert "**Warning:** arm hpz" in report.write_report(results, tmp_path).read_text(encoding="utf-8")
+
+
+def test_main_regenerates_the_report_from_a_results_file(tmp_path, capsys):
+    source = tmp_path / "run" / "results.json"
+    source.parent.mkdir()
+    source.write_text(json.dumps(synthetic_results(optional=True)), encoding="utf-8")
+    assert report.main([str(source), "--out", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "report.md").is_file()
+    assert_valid_pngs(tmp_path / "out")
+    assert report.main([str(source)]) == 0  # default: next to the results file
+    assert (source.parent / "report.md").read_text() == (tmp_path / "out" / "report.md").read_text()
+    assert "report.md" in capsys.readouterr().out
+
+
+def test_report_does_not_modify_its_input(tmp_path):
+    results = synthetic_results(optional=True)
+    before = copy.deepcopy(results)
+    report.write_report(results, tmp_path)
+    assert results == before

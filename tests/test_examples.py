@@ -1,0 +1,90 @@
+"""The shipped examples: their ds_configs are valid, and examples/train.py trains under the deepspeed launcher."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ds_asynchzp.config import resolve_layout, section_from_ds_config
+from ds_asynchzp.launch import free_port
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO_ROOT / "examples"
+CONFIGS = ["ds_config_zero3.json", "ds_config_hpz.json", "ds_config_asynchzp.json"]
+# The launcher is installed next to the interpreter running the tests.
+DEEPSPEED = Path(sys.executable).with_name("deepspeed")
+TIMEOUT_S = 240
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_config_is_minimal_valid_zero3(name):
+    cfg = json.loads((EXAMPLES / name).read_text())
+    assert cfg["train_micro_batch_size_per_gpu"] == 2 and cfg["gradient_accumulation_steps"] == 2
+    assert cfg["optimizer"]["type"] == "AdamW" and cfg["gradient_clipping"] == 1.0
+    zero = cfg["zero_optimization"]
+    assert zero["stage"] == 3
+    # Zero thresholds: every parameter is partitioned and re-gathered, nothing stays resident.
+    for key in ("stage3_param_persistence_threshold", "stage3_max_live_parameters",
+                "stage3_max_reuse_distance", "stage3_prefetch_bucket_size"):
+        assert zero[key] == 0, key
+    # fp32: no mixed-precision section, as CPU ranks train in full precision.
+    assert not any(cfg.get(k, {}).get("enabled") for k in ("fp16", "bf16"))
+
+
+def test_only_the_asynchzp_config_enables_asynchzp():
+    assert section_from_ds_config(EXAMPLES / "ds_config_zero3.json") is None
+    assert section_from_ds_config(EXAMPLES / "ds_config_hpz.json") is None
+    hpz = json.loads((EXAMPLES / "ds_config_hpz.json").read_text())
+    assert hpz["zero_optimization"]["zero_hpz_partition_size"] == 2
+
+
+def test_asynchzp_config_resolves_two_ranks_per_param_shard():
+    layout = resolve_layout(EXAMPLES / "ds_config_asynchzp.json", world_size=4, local_world_size=4)
+    assert layout.node_size == 2 and layout.num_nodes == 2
+    assert layout.param_shard_size == 2 and layout.optimizer_shard_size == 4
+
+
+@pytest.fixture(scope="module")
+def launcher_env(deepspeed_cpu_ops):
+    # conftest put the venv's bin first on PATH, as activating it would: the launcher and its ranks then use
+    # the venv's deepspeed and ninja.
+    return {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+
+
+def _launch_train(env: dict, *extra: str) -> str:
+    """Run examples/train.py on 4 CPU ranks under the real deepspeed launcher; return its output."""
+    # A free port keeps concurrent runs from colliding on the launcher's default 29500.
+    cmd = [str(DEEPSPEED), "--num_gpus", "4", "--master_port", str(free_port()),
+           "examples/train.py", "--deepspeed_config", "examples/ds_config_asynchzp.json",
+           "--steps", "2", "--log-every", "1", *extra]
+    # start_new_session lets a timeout kill every rank, not just the launcher.
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"train.py did not finish in {TIMEOUT_S} s; output tail:\n{out[-4000:]}")
+    assert proc.returncode == 0, f"exit code {proc.returncode}; output tail:\n{out[-4000:]}"
+    return out
+
+
+def _assert_trained_with_asynchzp(out: str) -> None:
+    match = re.search(r"final_loss=(\S+) optimizer=(\w+)", out)
+    assert match, f"no final_loss line; output tail:\n{out[-4000:]}"
+    assert match.group(2) == "HierarchicalZeroOptimizer"
+    assert math.isfinite(float(match.group(1)))
+
+
+@pytest.mark.parametrize("extra", [(), ("--via-register",)], ids=["initialize", "register"])
+def test_train_example_under_deepspeed_launcher(launcher_env, extra):
+    _assert_trained_with_asynchzp(_launch_train(launcher_env, *extra))
