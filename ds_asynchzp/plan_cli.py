@@ -165,7 +165,8 @@ def format_check(report: dict, path: str) -> str:
                      for row in rows]
     lines += [f"note: {n}" for n in report["notes"]]
     if any(r["quantity"] == "inter_node_wire" for r in report["rows"]):
-        lines.append(f"inter_node_wire: link bytes / {planner.WIRE_OVERHEAD_FACTOR:.4f} (TCP/IP headers, MTU 1500)")
+        lines.append(f"inter_node_wire: measured link counters / {report['wire_overhead_factor']:.4f} "
+                     "(frame headers and acknowledgements at the run's MTU)")
     tolerance = (f"within {planner.CHECK_RTOL:.0%} of the prediction (below "
                  f"{planner.ZERO_PREDICTION_SLACK_BYTES} B where 0 is predicted)")
     lines.append(f"PASS: every figure {tolerance}" if report["ok"] else f"FAIL: not every figure {tolerance}")

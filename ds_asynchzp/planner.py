@@ -413,4 +413,5 @@ def check_results(results: dict) -> dict:
     return {"ok": bool(rows) and all(r["ok"] for r in rows), "rows": rows, "notes": notes,
             "elements": {k: elements[k] for k in ("gathered", "reduced", "trainable")},
             "inputs": {"world": world, "node_size": node_size, "grad_accum": t.grad_accum, "dtype": dtype},
-            "asynchzp_layout": None if d_p is None else {"d_p": d_p, "d_g": d_g}}
+            "asynchzp_layout": None if d_p is None else {"d_p": d_p, "d_g": d_g},
+            "wire_overhead_factor": _overhead_of(config)}
