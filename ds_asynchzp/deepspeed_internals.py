@@ -95,6 +95,11 @@ def grad_partition_of(optimizer: DeepSpeedZeroOptimizer_Stage3, param):
     return getattr(optimizer, STAGE3_GRAD_PARTITION_BY_PARAM_ID)[param.ds_id]
 
 
+def partition_rank_of(optimizer: DeepSpeedZeroOptimizer_Stage3, param) -> int:
+    """This rank's index in the group the parameter's primary partition is spread over."""
+    return ds_comm.get_rank(group=optimizer._get_param_partition_group(param))
+
+
 # ------------------------------------------------------------------------------------------ parameter state
 def is_zero_param(param) -> bool:
     return hasattr(param, "ds_id") and hasattr(param, "ds_tensor")
@@ -163,5 +168,5 @@ __all__ = [
     "DeepSpeedEngine", "DeepSpeedZeroOptimizer_Stage3", "ZeroParamStatus", "SUPPORTED_DEEPSPEED_VERSION",
     "DeepSpeedInternalsError", "engine_class_swapped", "stage3_optimizer_class_swapped", "grad_partition_of",
     "is_zero_param", "primary_partition", "mark_inflight", "mark_available", "install_gather", "wrap_partition",
-    "comm_backend", "ds_comm", "stage3_model_state_tensors",
+    "comm_backend", "ds_comm", "stage3_model_state_tensors", "partition_rank_of",
 ]

@@ -22,8 +22,8 @@ from deepspeed.utils import log_dist
 
 from . import ledger
 from .config import ResolvedLayout
-from .deepspeed_internals import (STAGE3_AVG_SCATTER_GRADS, DeepSpeedZeroOptimizer_Stage3, ds_comm,
-                                  grad_partition_of, is_zero_param)
+from .deepspeed_internals import (STAGE3_AVG_SCATTER_GRADS, DeepSpeedZeroOptimizer_Stage3,
+                                  grad_partition_of, is_zero_param, partition_rank_of)
 from .grad_shards import GradShards
 from .param_shards import ParamShards
 from .rank_grid import build_process_groups
@@ -76,8 +76,7 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
 
     # ------------------------------------------------------------------------ once per optimizer step
     def _write_primary_grad(self, param, grad: torch.Tensor) -> None:
-        partition_rank = ds_comm.get_rank(group=self._get_param_partition_group(param))
-        if param.partition_numel() * partition_rank >= param.ds_numel:
+        if param.partition_numel() * partition_rank_of(self, param) >= param.ds_numel:
             return  # this rank's partition is all padding: stock ZeRO-3 leaves it untouched too
         grad_partition_of(self, param).narrow(0, 0, grad.numel()).copy_(grad)
 
