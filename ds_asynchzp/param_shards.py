@@ -124,6 +124,4 @@ class ParamShards:
     def shard_bytes(self) -> int:
         return sum(getattr(p, SHARD_ATTR).numel() * getattr(p, SHARD_ATTR).element_size() for p in self.params)
 
-    def shard_of(self, param) -> torch.Tensor:
-        return getattr(param, SHARD_ATTR)
 

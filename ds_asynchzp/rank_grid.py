@@ -20,7 +20,7 @@ Every rank creates every group, in the same order, including groups it is not a 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
 from .deepspeed_internals import ds_comm
@@ -36,13 +36,6 @@ class ShardLayout:
     @property
     def replicas(self) -> int:
         return self.world // self.shard_size
-
-    def shard_group_ranks(self, rank: int) -> List[int]:
-        start = (rank // self.shard_size) * self.shard_size
-        return list(range(start, start + self.shard_size))
-
-    def replica_group_ranks(self, rank: int) -> List[int]:
-        return list(range(rank % self.shard_size, self.world, self.shard_size))
 
     def all_shard_groups(self) -> List[List[int]]:
         return [list(range(s, s + self.shard_size)) for s in range(0, self.world, self.shard_size)]
@@ -77,10 +70,6 @@ class ProcessGroups:
     param_replica: object = None   # once per step: refresh of the parameter shard (crosses nodes)
     grad_replica: object = None    # once per step: cross-node gradient reduction (crosses nodes)
     permute: object = None         # once per step: point-to-point slice permutations (crosses nodes)
-    _ranks_of: Dict[int, Tuple[int, ...]] = field(default_factory=dict)
-
-    def node_of(self, rank: int) -> int:
-        return rank // self.node_size
 
 
 def build_process_groups(world: int, node_size: int, param_shard_size: int, grad_shard_size: int) -> ProcessGroups:

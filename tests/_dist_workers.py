@@ -21,6 +21,7 @@ from ds_asynchzp.bench.cli import ZERO3_KNOBS as BENCH_ZERO3_KNOBS
 from ds_asynchzp.bench.data import batch_for
 from ds_asynchzp.bench.model import MODEL_PRESETS, build_model
 from ds_asynchzp.memory import model_state_bytes
+from ds_asynchzp.sizing import padded_num_params
 
 # The benchmark's ZeRO-3 knobs (every arm the same; nothing stays gathered between passes), with small
 # gradient buckets so several bucket flushes happen per backward.
@@ -46,7 +47,7 @@ def ds_config(case: dict) -> dict:
 
 
 def _padded(numel: int, world: int) -> int:
-    return world * math.ceil(numel / world)
+    return padded_num_params([numel], world)
 
 
 def _element_counts(model, world: int) -> dict:
