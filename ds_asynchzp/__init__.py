@@ -1,112 +1,50 @@
 """AsyncHZP: hierarchical ZeRO for DeepSpeed.
 
-Parameters and gradients are sharded inside a node, optimizer states over the whole data-parallel world, so
-per-micro-step traffic stays on the fast intra-node links and only one gradient reduction and one parameter
-refresh per optimizer step cross nodes.
+Parameters and gradients are sharded inside a node, optimizer states over a larger group (by default the whole
+data-parallel world), so per-micro-step traffic stays on the fast intra-node links and only one gradient
+reduction and one parameter refresh per optimizer step cross nodes.
 
 * ``ds_asynchzp.initialize(...)``: same arguments and return value as ``deepspeed.initialize``; honours the
   top-level ``"async_hzp"`` section of the ds_config.
 * ``ds_asynchzp.register()``: makes plain ``deepspeed.initialize`` (HF Trainer, Accelerate) honour it.
 * ``ds_asynchzp.ledger``: bytes of every collective, intra- vs inter-node.
+
+The runtime (and with it DeepSpeed) is imported on first use of one of those names, so that the tooling
+(``asynchzp-plan``, the emulated-network cleanup, the config checker) starts without importing DeepSpeed.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
-import os
+import importlib
 
-import deepspeed
-
-from . import ledger
-from .config import AsyncHZPConfigError, ResolvedLayout, resolve_layout, section_from_ds_config
-from .deepspeed_internals import SUPPORTED_DEEPSPEED_VERSION, ds_comm, engine_class_swapped
-from .engine import AsyncHZPEngine, AsyncHZPNotActiveError, engine_class_for
-from .hierarchical_optimizer import HierarchicalZeroOptimizer
-from .sizing import padded_num_params
+from .config import ResolvedLayout, resolve_layout, section_from_ds_config
+from .errors import AsyncHZPConfigError, AsyncHZPNotActiveError
 
 __version__ = "0.1.0"
 
-_ORIGINAL_INITIALIZE = deepspeed.initialize
-_INITIALIZE_SIGNATURE = inspect.signature(_ORIGINAL_INITIALIZE)
+# name -> module that defines it (imported lazily: each of these imports DeepSpeed).
+_LAZY = {
+    "initialize": "ds_asynchzp.runtime.api",
+    "register": "ds_asynchzp.runtime.api",
+    "unregister": "ds_asynchzp.runtime.api",
+    "is_registered": "ds_asynchzp.runtime.api",
+    "resolve_for_initialize": "ds_asynchzp.runtime.api",
+    "AsyncHZPEngine": "ds_asynchzp.runtime.engine",
+    "HierarchicalZeroOptimizer": "ds_asynchzp.runtime.optimizer",
+    "SUPPORTED_DEEPSPEED_VERSION": "ds_asynchzp.runtime.deepspeed_internals",
+}
 
 
-def _ds_config_of(arguments: dict):
-    config = arguments.get("config") or arguments.get("config_params")
-    if config is None and arguments.get("args") is not None:
-        config = getattr(arguments["args"], "deepspeed_config", None)
-    return config
-
-
-def _world_sizes() -> tuple:
-    if ds_comm.is_initialized():
-        world = ds_comm.get_world_size()
-    else:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-    local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")
-    return world, int(local) if local else None
-
-
-def _model_numel(model) -> list:
-    # Parameters built under deepspeed.zero.Init are already partitioned: their full size is ds_numel.
-    return [getattr(p, "ds_numel", p.numel()) for p in model.parameters()]
-
-
-def resolve_for_initialize(*args, **kwargs) -> ResolvedLayout | None:
-    """Validate the ds_config of an `initialize` call; None when AsyncHZP is not requested.
-
-    Runs before DeepSpeed starts any process group, so a bad config fails on every rank the same way.
-    """
-    arguments = _INITIALIZE_SIGNATURE.bind(*args, **kwargs).arguments
-    config = _ds_config_of(arguments)
-    if config is None or section_from_ds_config(config) is None:
-        return None
-    if arguments.get("mpu") is not None:
-        raise AsyncHZPConfigError("mpu", "model parallelism (an mpu) is not supported with async_hzp yet.",
-                                  "remove the async_hzp section, or train without an mpu.")
-    world, local = _world_sizes()
-    model = arguments.get("model")
-    return resolve_layout(config, world, local,
-                          has_client_optimizer=arguments.get("optimizer") is not None,
-                          num_parameters=padded_num_params(_model_numel(model), world) if model is not None else None)
-
-
-@functools.wraps(_ORIGINAL_INITIALIZE)
-def initialize(*args, **kwargs):
-    """`deepspeed.initialize` that honours the ``"async_hzp"`` section (stock ZeRO-3 without it)."""
-    layout = resolve_for_initialize(*args, **kwargs)
-    if layout is None:
-        return _ORIGINAL_INITIALIZE(*args, **kwargs)
-    with engine_class_swapped(engine_class_for(layout)):
-        result = _ORIGINAL_INITIALIZE(*args, **kwargs)
-    engine = result[0]
-    if not isinstance(getattr(engine, "optimizer", None), HierarchicalZeroOptimizer):
-        raise AsyncHZPNotActiveError(
-            f"async_hzp is enabled but the engine is {type(engine).__name__} with optimizer "
-            f"{type(getattr(engine, 'optimizer', None)).__name__}; pipeline and hybrid engines are not supported")
-    return result
-
-
-def register() -> None:
-    """Route plain `deepspeed.initialize` through `ds_asynchzp.initialize` (idempotent).
-
-    Frameworks such as HF Trainer and Accelerate call `deepspeed.initialize` themselves; after this, their
-    ds_config's ``"async_hzp"`` section takes effect. Code that did `from deepspeed import initialize`
-    before `register()` keeps the original function.
-    """
-    deepspeed.initialize = initialize
-
-
-def unregister() -> None:
-    deepspeed.initialize = _ORIGINAL_INITIALIZE
-
-
-def is_registered() -> bool:
-    return deepspeed.initialize is initialize
+def __getattr__(name: str):
+    if name == "ledger":
+        return importlib.import_module("ds_asynchzp.accounting.ledger")
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'ds_asynchzp' has no attribute {name!r}")
 
 
 __all__ = [
     "initialize", "register", "unregister", "is_registered", "resolve_for_initialize", "ledger",
     "AsyncHZPConfigError", "AsyncHZPNotActiveError", "AsyncHZPEngine", "HierarchicalZeroOptimizer",
-    "ResolvedLayout", "SUPPORTED_DEEPSPEED_VERSION", "__version__",
+    "ResolvedLayout", "resolve_layout", "section_from_ds_config", "SUPPORTED_DEEPSPEED_VERSION", "__version__",
 ]

@@ -32,7 +32,7 @@ POLL_INTERVAL_S = 0.05
 LOG_TAIL_LINES = 40
 
 # Directory holding the ds_asynchzp package; children need it on sys.path to run
-# `-m ds_asynchzp._rank_entry` when the package is used from a source checkout.
+# `-m ds_asynchzp.bench._rank_entry` when the package is used from a source checkout.
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -161,7 +161,7 @@ def _spawn(r: int, nproc: int, node_size: int, port: int, target: str, payload_p
     result_path = run_dir / f"rank{r}.result.json"
     result_path.unlink(missing_ok=True)  # a stale result from a reused workdir must not count
     prefix = list(rank_prefix_cmd(r)) if rank_prefix_cmd is not None else []
-    cmd = [*prefix, sys.executable, "-m", "ds_asynchzp._rank_entry", target,
+    cmd = [*prefix, sys.executable, "-m", "ds_asynchzp.bench._rank_entry", target,
            str(payload_path), str(result_path)]
     log_file = open(log_path, "wb")
     try:

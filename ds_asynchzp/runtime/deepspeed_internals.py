@@ -23,24 +23,41 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
 SUPPORTED_DEEPSPEED_VERSION = "0.19.8"
 
+from ..errors import DeepSpeedInternalsError
+
 # Name-mangled members of DeepSpeedZeroOptimizer_Stage3 that the hierarchical optimizer overrides or reads.
 STAGE3_AVG_SCATTER_GRADS = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
+STAGE3_AVG_SCATTER_CONTIGUOUS_GRADS = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_contiguous_grads"
 STAGE3_GRAD_PARTITION_BY_PARAM_ID = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
 
 # (owner, attribute, what we use it for). Checked at import.
 _REQUIRED_CLASS_MEMBERS = [
     (DeepSpeedEngine, "_configure_zero_optimizer", "selects the ZeRO-3 optimizer class"),
     (DeepSpeedZeroOptimizer_Stage3, STAGE3_AVG_SCATTER_GRADS, "per-bucket gradient reduce-scatter"),
+    (DeepSpeedZeroOptimizer_Stage3, STAGE3_AVG_SCATTER_CONTIGUOUS_GRADS, "per-bucket all-reduce (reduce_scatter=false)"),
+    (DeepSpeedZeroOptimizer_Stage3, "initialize_ds_offload", "converts the module's parameters to ZeRO-3 parameters"),
+    (DeepSpeedZeroOptimizer_Stage3, "_create_fp16_partitions_with_defragmentation", "builds the flat parameter buffer"),
+    (DeepSpeedZeroOptimizer_Stage3, "_set_fp16_partitioned_groups_flat", "slices the flat parameter buffer per sub-group"),
+    (DeepSpeedZeroOptimizer_Stage3, "_setup_for_real_optimizer", "builds the flat gradient partition buffer"),
+    (DeepSpeedZeroOptimizer_Stage3, "zero_grad", "clears the accumulation window"),
+    (DeepSpeedZeroOptimizer_Stage3, "finalize_gradient_accumulation_boundary", "unmanaged accumulation boundary"),
+    (DeepSpeedZeroOptimizer_Stage3, "checkpoint_event_epilogue", "regathers persistent parameters after checkpoints"),
+    (DeepSpeedZeroOptimizer_Stage3, "load_state_dict", "loads a checkpoint into the partitions"),
+    (DeepSpeedZeroOptimizer_Stage3, "_load_universal_checkpoint", "loads a universal checkpoint"),
+    (DeepSpeedZeroOptimizer_Stage3, "get_fp32_grad_for_param", "safe_get_full_grad"),
+    (DeepSpeedZeroOptimizer_Stage3, "set_fp32_grad_for_param", "safe_set_full_grad"),
+    (DeepSpeedZeroOptimizer_Stage3, "get_local_fp32_grad_for_param", "safe_get_local_grad"),
+    (DeepSpeedZeroOptimizer_Stage3, "set_local_grad_for_param", "safe_set_local_grad"),
+    (DeepSpeedZeroOptimizer_Stage3, "get_fp32_grad_partitions", "gradient partitions by group"),
+    (DeepSpeedZeroOptimizer_Stage3, "update_fp32_grad_for_param_vectorized", "vectorized gradient update"),
+    (DeepSpeedEngine, "backward", "the end of a backward pass at the accumulation boundary"),
+    (DeepSpeedEngine, "_save_zero_checkpoint", "writes one rank's optimizer-state file"),
     (DeepSpeedZeroOptimizer_Stage3, "partition_grads", "stores reduced gradient partitions"),
     (DeepSpeedZeroOptimizer_Stage3, "_post_step", "runs after the optimizer step (secondary invalidation)"),
     (DeepSpeedZeroOptimizer_Stage3, "step", "the optimizer step"),
     (DeepSpeedZeroOptimizer_Stage3, "_get_param_partition_group", "per-parameter partition group"),
     (DeepSpeedZeroOptimizer_Stage3, "destroy", "releases hooks and buffers"),
 ]
-
-
-class DeepSpeedInternalsError(ImportError):
-    """The installed DeepSpeed does not expose a private symbol this package needs."""
 
 
 def _self_check() -> None:
@@ -90,24 +107,40 @@ def stage3_optimizer_class_swapped(optimizer_class: type) -> Iterator[None]:
         _stage3_module.DeepSpeedZeroOptimizer_Stage3 = original
 
 
-def grad_partition_of(optimizer: DeepSpeedZeroOptimizer_Stage3, param):
-    """The fp32 buffer that holds this rank's 1/world gradient partition handed to the optimizer step."""
-    return getattr(optimizer, STAGE3_GRAD_PARTITION_BY_PARAM_ID)[param.ds_id]
-
-
 def partition_rank_of(optimizer: DeepSpeedZeroOptimizer_Stage3, param) -> int:
-    """This rank's index in the group the parameter's primary partition is spread over."""
+    """This rank's index in the group the parameter's DeepSpeed partition is spread over."""
     return ds_comm.get_rank(group=optimizer._get_param_partition_group(param))
+
+
+def rehome_stage3_param_flat(optimizer: DeepSpeedZeroOptimizer_Stage3, flat) -> None:
+    """Make `flat` Stage 3's flat parameter buffer (the per-sub-group flats become views into it)."""
+    optimizer.lp_param_buffer = flat
+    optimizer.fp16_partitioned_groups_flat.clear()
+    optimizer._set_fp16_partitioned_groups_flat()
+
+
+def stage3_param_flat(optimizer: DeepSpeedZeroOptimizer_Stage3):
+    return optimizer.lp_param_buffer
+
+
+def rehome_stage3_grad_flat(optimizer: DeepSpeedZeroOptimizer_Stage3, flat, params_in_flat_order) -> None:
+    """Make `flat` Stage 3's gradient partition buffer; each parameter's gradient partition a view into it."""
+    optimizer.grad_partitions_flat_buffer = flat
+    by_id = getattr(optimizer, STAGE3_GRAD_PARTITION_BY_PARAM_ID)
+    offset = 0
+    for param in params_in_flat_order:
+        by_id[param.ds_id] = flat.narrow(0, offset, param.partition_numel())
+        offset += param.partition_numel()
+
+
+def stage3_trainable_params_in_flat_order(optimizer: DeepSpeedZeroOptimizer_Stage3):
+    """Parameters in the order of Stage 3's flat parameter and gradient buffers."""
+    return [param for sub_group in optimizer.fp16_groups for param in sub_group]
 
 
 # ------------------------------------------------------------------------------------------ parameter state
 def is_zero_param(param) -> bool:
     return hasattr(param, "ds_id") and hasattr(param, "ds_tensor")
-
-
-def primary_partition(param):
-    """DeepSpeed's own 1/world partition of the parameter: the source of truth updated by the step."""
-    return param.ds_tensor
 
 
 def mark_inflight(params) -> None:
@@ -122,24 +155,59 @@ def mark_available(param, full_data) -> None:
     param.ds_status = ZeroParamStatus.AVAILABLE
 
 
-def install_gather(param, gather: Callable) -> None:
-    """The parameter coordinator gathers through `param.all_gather_coalesced(params, quantize=...)`."""
-    param.all_gather_coalesced = gather
+def is_available(param) -> bool:
+    return param.ds_status == ZeroParamStatus.AVAILABLE
 
 
-def wrap_partition(param, after_partition: Callable) -> None:
-    """Call `after_partition(param, full_data)` when a caller re-partitions a modified parameter
-    (`GatheredParameters(modifier_rank=...)` passes has_been_updated=True)."""
-    original = param.partition
+def partition_group_of(param):
+    return param.ds_process_group
+
+
+def repartition(params, group) -> None:
+    """Re-partition ZeRO-3 parameters over `group` (a collective over each parameter's current group).
+
+    `zero.Init` partitions over the whole data-parallel world; with optimizer shards over a smaller group
+    the partitions must follow. Each parameter is gathered once with DeepSpeed's own blocking gather, then cut
+    again by DeepSpeed's own partitioner, which reads the group from the parameter.
+    """
+    for param in sorted(params, key=lambda p: p.ds_id):
+        if param.ds_process_group is group:
+            continue
+        param.all_gather()
+        param.ds_process_group = group
+        param.ds_zero_partition_rank = ds_comm.get_rank(group=group)
+        param.ds_zero_partition_world_size = ds_comm.get_world_size(group=group)
+        param.ds_tensor = None
+        param.partition()
+
+
+_ORIGINALS_ATTR = "_hzp_deepspeed_closures"
+
+
+def install_param_hooks(param, all_gather_coalesced: Callable, after_update: Callable) -> None:
+    """Route the coordinator's gathers (`param.all_gather_coalesced`) to ours, and call
+    `after_update(param, full_data)` when a caller re-partitions a modified parameter
+    (`GatheredParameters(modifier_rank=...)` passes has_been_updated=True). `restore_param_hooks` undoes it."""
+    if not hasattr(param, _ORIGINALS_ATTR):
+        setattr(param, _ORIGINALS_ATTR, (param.all_gather_coalesced, param.partition))
+    _, original_partition = getattr(param, _ORIGINALS_ATTR)
 
     def partition(param_list=None, hierarchy=0, has_been_updated=False, free_data=True):
         if has_been_updated:
             for p in (param_list or [param]):
-                after_partition(p, p.data)
-        return original(param_list=param_list, hierarchy=hierarchy, has_been_updated=has_been_updated,
-                        free_data=free_data)
+                after_update(p, p.data)
+        return original_partition(param_list=param_list, hierarchy=hierarchy, has_been_updated=has_been_updated,
+                                  free_data=free_data)
 
+    param.all_gather_coalesced = all_gather_coalesced
     param.partition = partition
+
+
+def restore_param_hooks(param) -> None:
+    originals = getattr(param, _ORIGINALS_ATTR, None)
+    if originals is not None:
+        param.all_gather_coalesced, param.partition = originals
+        delattr(param, _ORIGINALS_ATTR)
 
 
 def stage3_model_state_tensors(optimizer, module) -> dict:
@@ -158,6 +226,13 @@ def stage3_model_state_tensors(optimizer, module) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------- comm
+def backend_name(group) -> str:
+    """The backend of a process group ("gloo", "nccl", ...)."""
+    import torch.distributed
+
+    return str(torch.distributed.get_backend(group))
+
+
 def comm_backend():
     """The object whose methods every `deepspeed.comm` collective ends in (`deepspeed.comm.comm.cdb`)."""
     module = importlib.import_module("deepspeed.comm.comm")
@@ -166,7 +241,9 @@ def comm_backend():
 
 __all__ = [
     "DeepSpeedEngine", "DeepSpeedZeroOptimizer_Stage3", "ZeroParamStatus", "SUPPORTED_DEEPSPEED_VERSION",
-    "DeepSpeedInternalsError", "engine_class_swapped", "stage3_optimizer_class_swapped", "grad_partition_of",
-    "is_zero_param", "primary_partition", "mark_inflight", "mark_available", "install_gather", "wrap_partition",
-    "comm_backend", "ds_comm", "stage3_model_state_tensors", "partition_rank_of",
+    "DeepSpeedInternalsError", "engine_class_swapped", "stage3_optimizer_class_swapped", "partition_rank_of",
+    "rehome_stage3_param_flat", "stage3_param_flat", "rehome_stage3_grad_flat", "stage3_trainable_params_in_flat_order",
+    "is_zero_param", "mark_inflight", "mark_available", "is_available", "partition_group_of", "repartition",
+    "install_param_hooks", "restore_param_hooks", "stage3_model_state_tensors", "backend_name", "comm_backend",
+    "ds_comm",
 ]

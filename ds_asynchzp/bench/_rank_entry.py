@@ -1,6 +1,6 @@
-"""Child side of :mod:`ds_asynchzp.launch`: run one rank's target and record the outcome.
+"""Child side of :mod:`ds_asynchzp.bench.launch`: run one rank's target and record the outcome.
 
-Invoked as ``python -m ds_asynchzp._rank_entry TARGET PAYLOAD_JSON RESULT_JSON``.
+Invoked as ``python -m ds_asynchzp.bench._rank_entry TARGET PAYLOAD_JSON RESULT_JSON``.
 The outcome is written to RESULT_JSON as ``{"ok": true, "result": ...}`` or
 ``{"ok": false, "error": "<traceback>"}``; the exit code is 0 or 1 accordingly.
 """

@@ -1,0 +1,1 @@
+"""Formulas (sizing, traffic) and measurements (memory, ledger)."""

@@ -1,0 +1,41 @@
+"""Per-rank model-state bytes, measured from the tensors that hold them.
+
+Each storage is counted once, under the first role that holds it: AsyncHZP's shard buffers come first, so
+DeepSpeed's partitions that are views into them (its flat parameter buffer, its gradient partitions) add
+nothing, which is exactly what the placement promises. The figure is what the run really allocated for model
+states, to compare with `ds_asynchzp.accounting.sizing.model_state_bytes_per_rank`. Activations and
+communication buffers are not model states.
+"""
+
+from __future__ import annotations
+
+from ..runtime.deepspeed_internals import stage3_model_state_tensors
+
+
+def model_state_bytes(engine) -> dict:
+    """Bytes per role and their total, for this rank.
+
+    Roles: `param_shard`, `grad_shard` (AsyncHZP's buffers); `param_primary`, `param_secondary`,
+    `grad_primary` (DeepSpeed's own partitions, where they are not views into ours); `master`,
+    `optimizer_state` (fp32 master weights and optimizer moments).
+    """
+    optimizer = engine.optimizer
+    tensors = {}
+    params = getattr(optimizer, "hzp_params", None)
+    grads = getattr(optimizer, "hzp_grads", None)
+    if params is not None:
+        tensors["param_shard"] = [buffer.data for buffer in params.buffers]
+        tensors["grad_shard"] = [grads.buffer.data] if grads is not None else []
+    tensors.update(stage3_model_state_tensors(optimizer, engine.module))
+    seen, out = set(), {}
+    for role, role_tensors in tensors.items():
+        total = 0
+        for tensor in role_tensors:
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() in seen or storage.nbytes() == 0:
+                continue
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+        out[role] = total
+    out["total"] = sum(out.values())
+    return out

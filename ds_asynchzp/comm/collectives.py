@@ -1,0 +1,89 @@
+"""The collectives the hierarchical layout issues, all through `deepspeed.comm`, into caller-owned outputs.
+
+Going through `deepspeed.comm` (not `torch.distributed`) keeps every byte visible to the communication
+ledger and to DeepSpeed's comms logger. Every function takes a `Group` record and the output tensor the
+caller allocated (from a reusable scratch buffer), and returns a work handle (`None` for a one-rank group,
+which never communicates: it degenerates to a local copy). There is no point-to-point anywhere: on NCCL a
+lone send/recv pair creates a communicator per rank pair, and a cycle of them deadlocks.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..runtime.deepspeed_internals import backend_name, ds_comm
+from ..runtime.process_groups import Group
+
+
+class Work:
+    """A collective in flight; `wait()` blocks until its output may be read."""
+
+    def __init__(self, handle=None):
+        self._handle = handle
+
+    def wait(self) -> None:
+        if self._handle is not None:
+            self._handle.wait()
+            self._handle = None
+
+
+def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False) -> Work:
+    """`out` (group.size * inp.numel() elements) receives every member's `inp`, in group rank order."""
+    if group.size == 1:
+        if out.data_ptr() != inp.data_ptr():
+            out.copy_(inp.view(-1))
+        return Work()
+    return Work(ds_comm.all_gather_into_tensor(out, inp, group=group.handle, async_op=async_op))
+
+
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False) -> Work:
+    """Sum `inp` over the group; member i receives chunk i of group.size equal chunks into `out`."""
+    if group.size == 1:
+        out.copy_(inp.view(-1))
+        return Work()
+    return Work(ds_comm.reduce_scatter_tensor(out, inp, op=ds_comm.ReduceOp.SUM, group=group.handle,
+                                              async_op=async_op))
+
+
+def all_reduce(tensor: torch.Tensor, group: Group, async_op: bool = False) -> Work:
+    if group.size == 1:
+        return Work()
+    return Work(ds_comm.all_reduce(tensor, op=ds_comm.ReduceOp.SUM, group=group.handle, async_op=async_op))
+
+
+def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False) -> Work:
+    """Member s receives chunk s of every member's `inp`; `out` chunk k comes from member k."""
+    if group.size == 1:
+        out.copy_(inp)
+        return Work()
+    return Work(ds_comm.all_to_all_single(out, inp, group=group.handle, async_op=async_op))
+
+
+def broadcast(tensor: torch.Tensor, group: Group, src_index: int = 0) -> Work:
+    """Every member receives member `src_index`'s `tensor`."""
+    if group.size == 1:
+        return Work()
+    return Work(ds_comm.broadcast(tensor, src=group.ranks[src_index], group=group.handle))
+
+
+def backend_reduce_scatter_is_optimal(group: Group) -> bool:
+    """Whether the backend's reduce-scatter moves only (n-1)/n of the data per rank.
+
+    gloo implements reduce-scatter as an all-reduce (two ring passes: twice the bytes); NCCL's is a single
+    ring pass. Where it is not optimal, the boundary uses a pairwise exchange (all-to-all) instead.
+    """
+    if group.size == 1:
+        return True
+    return backend_name(group.handle) != "gloo"
+
+
+def scratch(pool: dict, key: str, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """A reusable flat buffer of at least `numel` elements: allocated once per (key, dtype), grown only when a
+    larger request comes, so the steady state allocates nothing."""
+    buffer: Optional[torch.Tensor] = pool.get((key, dtype))
+    if buffer is None or buffer.numel() < numel or buffer.device != torch.device(device):
+        buffer = torch.empty(numel, dtype=dtype, device=device)
+        pool[(key, dtype)] = buffer
+    return buffer.narrow(0, 0, numel)

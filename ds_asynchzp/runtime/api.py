@@ -1,0 +1,100 @@
+"""`initialize` (the drop-in for `deepspeed.initialize`) and `register` (routes plain `deepspeed.initialize` here)."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+
+import deepspeed
+from deepspeed.pipe import PipelineModule
+
+from ..accounting.sizing import padded_num_params
+from ..config import ResolvedLayout, resolve_layout, section_from_ds_config
+from ..errors import AsyncHZPConfigError, AsyncHZPNotActiveError
+from .deepspeed_internals import ds_comm, engine_class_swapped
+from .engine import engine_class_for
+from .optimizer import HierarchicalZeroOptimizer
+
+_ORIGINAL_INITIALIZE = deepspeed.initialize
+_INITIALIZE_SIGNATURE = inspect.signature(_ORIGINAL_INITIALIZE)
+
+
+def _ds_config_of(arguments: dict):
+    config = arguments.get("config") or arguments.get("config_params")
+    if config is None and arguments.get("args") is not None:
+        config = getattr(arguments["args"], "deepspeed_config", None)
+    return config
+
+
+def _world_sizes() -> tuple:
+    if ds_comm.is_initialized():
+        world = ds_comm.get_world_size()
+    else:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")
+    return world, int(local) if local else None
+
+
+def _model_numel(model) -> list:
+    # Parameters built under deepspeed.zero.Init are already partitioned: their full size is ds_numel.
+    return [getattr(p, "ds_numel", p.numel()) for p in model.parameters()]
+
+
+def resolve_for_initialize(*args, **kwargs) -> ResolvedLayout | None:
+    """Validate the ds_config of an `initialize` call; None when AsyncHZP is not requested.
+
+    Runs before DeepSpeed starts any process group, so a bad config fails on every rank the same way.
+    """
+    arguments = _INITIALIZE_SIGNATURE.bind(*args, **kwargs).arguments
+    config = _ds_config_of(arguments)
+    if config is None or section_from_ds_config(config) is None:
+        return None
+    if arguments.get("mpu") is not None:
+        raise AsyncHZPConfigError("mpu", "model parallelism (an mpu) is not supported with async_hzp yet.",
+                                  "remove the async_hzp section, or train without an mpu.")
+    model = arguments.get("model")
+    if isinstance(model, PipelineModule):
+        raise AsyncHZPConfigError("model", "is a deepspeed.pipe.PipelineModule; pipeline parallelism is not supported "
+                                  "with async_hzp.", "remove the async_hzp section, or train a non-pipeline module.")
+    world, local = _world_sizes()
+    return resolve_layout(config, world, local,
+                          has_client_optimizer=arguments.get("optimizer") is not None,
+                          num_parameters=padded_num_params(_model_numel(model), world) if model is not None else None)
+
+
+@functools.wraps(_ORIGINAL_INITIALIZE)
+def initialize(*args, **kwargs):
+    """`deepspeed.initialize` that honours the ``"async_hzp"`` section (stock ZeRO-3 without it)."""
+    layout = resolve_for_initialize(*args, **kwargs)
+    if layout is None:
+        return _ORIGINAL_INITIALIZE(*args, **kwargs)
+    with engine_class_swapped(engine_class_for(layout)):
+        result = _ORIGINAL_INITIALIZE(*args, **kwargs)
+    engine = result[0]
+    if not isinstance(getattr(engine, "optimizer", None), HierarchicalZeroOptimizer):
+        raise AsyncHZPNotActiveError(
+            f"async_hzp is enabled but the engine is {type(engine).__name__} with optimizer "
+            f"{type(getattr(engine, 'optimizer', None)).__name__}; pipeline and hybrid engines are not supported")
+    return result
+
+
+def register() -> None:
+    """Route plain `deepspeed.initialize` through `ds_asynchzp.initialize` (idempotent).
+
+    Frameworks such as HF Trainer and Accelerate call `deepspeed.initialize` themselves; after this, their
+    ds_config's ``"async_hzp"`` section takes effect. Code that did `from deepspeed import initialize`
+    before `register()` keeps the original function.
+    """
+    deepspeed.initialize = initialize
+
+
+def unregister() -> None:
+    deepspeed.initialize = _ORIGINAL_INITIALIZE
+
+
+def is_registered() -> bool:
+    return deepspeed.initialize is initialize
+
+
+__all__ = ["initialize", "register", "unregister", "is_registered", "resolve_for_initialize"]

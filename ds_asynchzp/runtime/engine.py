@@ -1,0 +1,49 @@
+"""The engine: stock `DeepSpeedEngine`, except that ZeRO-3 builds the hierarchical optimizer and the end of the
+last backward of an accumulation window sums the window's gradients across nodes."""
+
+from __future__ import annotations
+
+from ..config import ResolvedLayout
+from ..errors import AsyncHZPNotActiveError
+from .deepspeed_internals import DeepSpeedEngine, stage3_optimizer_class_swapped
+from .optimizer import HierarchicalZeroOptimizer, optimizer_class_for
+
+
+class AsyncHZPEngine(DeepSpeedEngine):
+    """Set `hzp_layout` on a subclass (see `engine_class_for`): `deepspeed.initialize` builds the engine."""
+
+    hzp_layout: ResolvedLayout = None
+
+    def _configure_zero_optimizer(self, optimizer):
+        if optimizer is None:
+            raise AsyncHZPNotActiveError(
+                "async_hzp needs an optimizer: add an \"optimizer\" section to the ds_config or pass "
+                "optimizer= to initialize()")
+        with stage3_optimizer_class_swapped(optimizer_class_for(self.hzp_layout)):
+            zero_optimizer = super()._configure_zero_optimizer(optimizer)
+        if not isinstance(zero_optimizer, HierarchicalZeroOptimizer):
+            raise AsyncHZPNotActiveError(
+                f"async_hzp is enabled but DeepSpeed built {type(zero_optimizer).__name__}; the config selects "
+                "another ZeRO path (check zero_optimization.stage == 3 and that super_offload / offload are off)")
+        return zero_optimizer
+
+    def backward(self, *args, **kwargs):
+        result = super().backward(*args, **kwargs)
+        # After the whole backward (every reentrant phase included), the window's gradients are final: sum them
+        # across nodes now, so that safe_get_full_grad and friends see them before step().
+        if isinstance(self.optimizer, HierarchicalZeroOptimizer) and self.is_gradient_accumulation_boundary():
+            self.optimizer.hzp_finish_window()
+        return result
+
+
+    def _save_zero_checkpoint(self, save_path, tag):
+        # DeepSpeed names a rank's optimizer-state file by its rank in the partition group. With d_o < N the
+        # N / d_o optimizer replicas hold identical states under identical names: the first replica writes them,
+        # so no two ranks write one file at once.
+        if isinstance(self.optimizer, HierarchicalZeroOptimizer) and self.optimizer.hzp_groups.outer_replica.rank:
+            return
+        return super()._save_zero_checkpoint(save_path, tag)
+
+
+def engine_class_for(layout: ResolvedLayout) -> type:
+    return type("AsyncHZPEngine", (AsyncHZPEngine,), {"hzp_layout": layout})

@@ -1,0 +1,87 @@
+"""Every process group of the hierarchical layout, built from one rank grid (`ds_asynchzp.layout`).
+
+Each group travels as a `Group` record (handle, size, this rank's index, global ranks), so no caller ever
+passes `None` and gets the world group by accident: a one-rank group has no handle and never communicates.
+
+Groups are built over the data-parallel group DeepSpeed hands the ZeRO optimizer (its ranks, not the global
+world). Every rank creates every group, in one fixed order, including groups it is not a member of: that is
+what `new_group` requires.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+from ..layout import HierarchicalLayout
+from .deepspeed_internals import ds_comm
+
+
+@dataclass(frozen=True)
+class Group:
+    name: str
+    ranks: Tuple[int, ...]    # global ranks, ascending
+    handle: object = None     # None exactly when size == 1
+    rank: int = 0             # this rank's index in `ranks`
+    inter_node: bool = False
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+@dataclass
+class ProcessGroups:
+    layout: HierarchicalLayout
+    dp_rank: int                              # this rank's index in the data-parallel group
+    param_shard: Group = None                 # per micro-step parameter all-gather (d_p ranks)
+    grad_shard: Group = None                  # per micro-step gradient reduce-scatter (d_g ranks)
+    optimizer: Group = None                   # DeepSpeed's partition group (d_o ranks)
+    param_refresh: Group = None               # once per step: all-gather of updated atoms (d_o / d_p ranks)
+    grad_boundary: Group = None               # once per step: gradient sum into the owner (d_o / d_g ranks)
+    outer_replica: Group = None               # once per step, d_o < N: all-reduce over optimizer replicas
+    created: List[object] = field(default_factory=list)
+
+    def destroy(self) -> None:
+        for handle in self.created:
+            try:
+                ds_comm.destroy_process_group(handle)
+            except Exception:  # noqa: BLE001 - best effort at teardown; the backend may already be gone
+                pass
+        self.created.clear()
+
+
+def build_process_groups(layout: HierarchicalLayout, dp_global_ranks: List[int], dp_handle) -> ProcessGroups:
+    """Create every group of `layout`; `dp_global_ranks[i]` is the global rank of data-parallel rank i."""
+    me = ds_comm.get_rank()
+    if len(dp_global_ranks) != layout.world:
+        raise RuntimeError(f"async_hzp layout was resolved for a data-parallel world of {layout.world} ranks, but "
+                           f"DeepSpeed's data-parallel group has {len(dp_global_ranks)}")
+    dp_rank = dp_global_ranks.index(me)
+    groups = ProcessGroups(layout=layout, dp_rank=dp_rank)
+    cache: Dict[Tuple[int, ...], object] = {}
+
+    def make(name: str, all_groups: List[List[int]], reuse: Optional[object] = None) -> Group:
+        mine = None
+        for dp_ranks in all_groups:
+            ranks = tuple(dp_global_ranks[r] for r in dp_ranks)
+            handle = None
+            if len(ranks) > 1:
+                if reuse is not None and len(ranks) == layout.world:
+                    handle = reuse
+                elif ranks in cache:
+                    handle = cache[ranks]
+                else:
+                    handle = cache[ranks] = ds_comm.new_group(list(ranks))
+                    groups.created.append(handle)
+            if me in ranks:
+                mine = Group(name, ranks, handle, ranks.index(me), layout.spans_nodes(list(dp_ranks)))
+        return mine
+
+    groups.param_shard = make("param_shard", layout.param_shard_groups())
+    groups.grad_shard = make("grad_shard", layout.grad_shard_groups())
+    groups.optimizer = make("optimizer", layout.optimizer_groups(), reuse=dp_handle)
+    groups.param_refresh = make("param_refresh", layout.param_refresh_groups())
+    groups.grad_boundary = make("grad_boundary", layout.grad_boundary_groups())
+    groups.outer_replica = make("outer_replica", layout.outer_replica_groups())
+    return groups

@@ -1,0 +1,1 @@
+"""Buffers only, no collectives: the parameter shards and the gradient accumulation shards."""

@@ -1,0 +1,91 @@
+"""The parameter shards: every rank's d_o / d_p atoms of every parameter, the only copy of the parameters.
+
+DeepSpeed's partition of each parameter (`param.ds_tensor`, one atom) is a view into the own row of these
+buffers; the optimizer step writes the updated atom there, and the once-per-step refresh fills the other rows
+from the ranks that own them. Trainable parameters live in one buffer whose own row *is* Stage 3's flat
+parameter buffer (same column order); frozen parameters in one buffer per dtype, so a gather never mixes
+dtypes.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Sequence
+
+import torch
+
+from ..layout import HierarchicalLayout
+from .sharded_buffer import ShardedBuffer
+
+
+class ParamShards:
+    def __init__(self, layout: HierarchicalLayout, dp_rank: int):
+        self.layout = layout
+        self.rows = layout.param_rows
+        self.own_row = layout.param_row_of_own_atom(dp_rank)
+        self.shard_index = dp_rank % layout.param_shard_size   # j: this rank's index in its shard group
+        self.buffers: List[ShardedBuffer] = []
+        self._buffer_of: Dict[int, ShardedBuffer] = {}
+
+    def _add(self, buffer: ShardedBuffer) -> ShardedBuffer:
+        self.buffers.append(buffer)
+        for param in buffer.params:
+            self._buffer_of[param.ds_id] = buffer
+        return buffer
+
+    def adopt_trainable(self, params_in_flat_order: Sequence[torch.nn.Parameter], flat: torch.Tensor) -> ShardedBuffer:
+        """Take over Stage 3's flat parameter buffer: its contents become the own row of a new shard buffer.
+
+        Returns the buffer; the caller points DeepSpeed's flat buffer and `ds_tensor`s at its own row.
+        """
+        params = list(params_in_flat_order)
+        buffer = ShardedBuffer("params", params, self.rows, self.own_row, flat.dtype, flat.device,
+                               atom_of=lambda p: p.partition_numel())
+        if buffer.width != flat.numel():
+            raise RuntimeError(f"Stage 3's flat parameter buffer has {flat.numel()} elements, but its parameters' "
+                               f"partitions add up to {buffer.width}")
+        buffer.own.copy_(flat)
+        for param in params:
+            param.ds_tensor.data = buffer.own_atom(param)
+        return self._add(buffer)
+
+    def adopt_frozen(self, params: Sequence[torch.nn.Parameter]) -> List[ShardedBuffer]:
+        """Frozen parameters (no optimizer state): one buffer per dtype, each `ds_tensor` a view of its own row."""
+        by_dtype: Dict[torch.dtype, List[torch.nn.Parameter]] = {}
+        for param in sorted(params, key=lambda p: p.ds_id):
+            by_dtype.setdefault(param.ds_tensor.dtype, []).append(param)
+        made = []
+        for dtype, group in by_dtype.items():
+            buffer = ShardedBuffer(f"frozen_{str(dtype).replace('torch.', '')}", group, self.rows, self.own_row,
+                                   dtype, group[0].ds_tensor.device, atom_of=lambda p: p.ds_tensor.numel())
+            for param in group:
+                buffer.own_atom(param).copy_(param.ds_tensor.data.view(-1))
+                param.ds_tensor.data = buffer.own_atom(param)
+            made.append(self._add(buffer))
+        return made
+
+    def buffer_of(self, param) -> ShardedBuffer:
+        return self._buffer_of[param.ds_id]
+
+    def holds(self, param) -> bool:
+        return getattr(param, "ds_id", None) in self._buffer_of
+
+    @property
+    def params(self) -> List[torch.nn.Parameter]:
+        return [p for buffer in self.buffers for p in buffer.params]
+
+    def set_full(self, param, full: torch.Tensor) -> None:
+        """Rewrite every row of one parameter's shard from its full value (a caller modified the parameter
+        while it was gathered on every rank, e.g. `GatheredParameters(modifier_rank=...)`)."""
+        atoms = self.buffer_of(param).atoms(param)        # [T_p, atom]; row t holds atom j + t*d_p
+        atom = atoms.shape[1]
+        flat = full.detach().reshape(-1)
+        with torch.no_grad():
+            for t in range(self.rows):
+                start = (self.shard_index + t * self.layout.param_shard_size) * atom
+                count = max(0, min(atom, flat.numel() - start))
+                if count:
+                    atoms[t, :count].copy_(flat[start:start + count])
+                atoms[t, count:].zero_()
+
+    def nbytes(self) -> int:
+        return sum(b.nbytes() for b in self.buffers)

@@ -1,0 +1,68 @@
+"""A shard buffer: `rows` atoms of many parameters, one flat tensor, one column range per parameter.
+
+The buffer is a [rows, columns] matrix. Column range [offset, offset + atom) belongs to one parameter (its atom
+size: DeepSpeed's partition size), and row t holds atom number `atoms[t]` of every parameter in it. One row is
+the rank's own atom of every parameter; DeepSpeed's own flat partition buffer is a view of that row, so the
+state exists once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Sequence, Tuple
+
+import torch
+
+
+@dataclass(frozen=True)
+class Columns:
+    offset: int
+    atom: int   # elements per atom (DeepSpeed's partition size of the parameter)
+
+
+class ShardedBuffer:
+    def __init__(self, name: str, params: Sequence[torch.nn.Parameter], rows: int, own_row: int,
+                 dtype: torch.dtype, device, atom_of):
+        self.name = name
+        self.params = list(params)
+        self.rows = rows
+        self.own_row = own_row
+        self.columns: Dict[int, Columns] = {}
+        offset = 0
+        for param in self.params:
+            atom = int(atom_of(param))
+            self.columns[param.ds_id] = Columns(offset, atom)
+            offset += atom
+        self.width = offset
+        self.data = torch.zeros(rows, max(offset, 0), dtype=dtype, device=device)
+
+    # ---------------------------------------------------------------------------------- views
+    @property
+    def own(self) -> torch.Tensor:
+        """The rank's own atoms, contiguous: the flat buffer DeepSpeed's step and checkpoints use."""
+        return self.data[self.own_row]
+
+    def own_atom(self, param) -> torch.Tensor:
+        c = self.columns[param.ds_id]
+        return self.data[self.own_row].narrow(0, c.offset, c.atom)
+
+    def atoms(self, param) -> torch.Tensor:
+        """[rows, atom] strided view of one parameter's shard."""
+        c = self.columns[param.ds_id]
+        return self.data[:, c.offset:c.offset + c.atom]
+
+    def column_chunks(self, max_elements: int) -> Iterator[Tuple[int, int]]:
+        """Column ranges [start, end) whose all-row block holds at most `max_elements` (at least one column),
+        so that a once-per-step flow over the whole buffer needs scratch of one bucket, not one shard."""
+        step = max(1, max_elements // max(self.rows, 1))
+        for start in range(0, self.width, step):
+            yield start, min(self.width, start + step)
+
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def __contains__(self, param) -> bool:
+        return getattr(param, "ds_id", None) in self.columns
+
+    def ordered(self, params) -> List[torch.nn.Parameter]:
+        return sorted(params, key=lambda p: self.columns[p.ds_id].offset)
