@@ -20,13 +20,19 @@ DeepSpeed keys; an empty object enables it with defaults::
 
 Sizes (``d_p`` params, ``d_g`` grads, ``d_o`` optimizer states) must satisfy
 ``d_p | d_g | d_o | world``; parameters stay inside a node (``d_p`` divides
-``node_size``); gradients may span nodes only in whole nodes. ``"auto"`` picks
-``d_p = d_g`` from the analytic memory model in :mod:`ds_asynchzp.sizing`.
+``node_size``); gradients may span nodes only in whole nodes (``d_g`` divides
+``node_size`` or is a multiple of it); ``d_o`` is any divisor of the world that
+is a multiple of ``d_g``. ``"auto"`` may be given for any of the three: the
+"auto" sizes are chosen together, the integer ones constrain the search, by
+:func:`ds_asynchzp.accounting.sizing.choose_layout` (the fitting layout with
+the least estimated communication time, from the two bandwidth keys).
 
 :func:`resolve_layout` checks all of this, plus the ZeRO settings AsyncHZP
 relies on, from the config alone: it runs before any process group exists and
 never calls a collective, so a bad config fails fast and identically on every
 rank. Each :class:`AsyncHZPConfigError` names the offending JSON key and the fix.
+Nothing here imports DeepSpeed: ``asynchzp-plan`` and config checks start
+without it.
 """
 
 from __future__ import annotations
@@ -40,49 +46,13 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from . import sizing
+from .accounting import sizing
+from .errors import AsyncHZPConfigError, ConfigIssue
 
 
 SECTION = "async_hzp"
 _PositiveInt = Annotated[int, Field(ge=1)]
 _ShardSize = Optional[Union[_PositiveInt, Literal["auto"]]]
-
-
-@dataclass(frozen=True)
-class ConfigIssue:
-    """One problem: the JSON path of the key, what is wrong, and how to fix it."""
-
-    key: str
-    problem: str
-    fix: str
-
-    def __str__(self) -> str:
-        return f"{self.key}: {self.problem} Fix: {self.fix}"
-
-
-class AsyncHZPConfigError(ValueError):
-    """Invalid ds_config for AsyncHZP; the message names every offending key and its fix.
-
-    Build with ``AsyncHZPConfigError(key, problem, fix)`` or with a list of
-    :class:`ConfigIssue` so that independent problems are reported together.
-    """
-
-    def __init__(self, key_or_issues: str | list[ConfigIssue], problem: str = "", fix: str = ""):
-        if isinstance(key_or_issues, str):
-            issues = [ConfigIssue(key_or_issues, problem, fix)]
-        else:
-            issues = list(key_or_issues)
-        self.issues: tuple[ConfigIssue, ...] = tuple(issues)
-        if len(issues) == 1:
-            message = str(issues[0])
-        else:
-            lines = "\n".join(f"  - {issue}" for issue in issues)
-            message = f"ds_config is not valid for async_hzp ({len(issues)} problems):\n{lines}"
-        super().__init__(message)
-
-    @property
-    def keys(self) -> tuple[str, ...]:
-        return tuple(issue.key for issue in self.issues)
 
 
 class AsyncHZPConfig(BaseModel):
@@ -99,19 +69,23 @@ class AsyncHZPConfig(BaseModel):
     )
     param_shard_size: _ShardSize = Field(
         None,
-        description='Ranks sharing one working shard of the parameters (d_p); must divide node_size. '
-        '"auto" picks the smallest size whose model states fit memory_budget_gb. Default: node_size.',
+        description='Ranks sharing one parameter shard (d_p); must divide node_size. "auto" chooses it together with '
+        "the other \"auto\" sizes (see optimizer_shard_size). Default: node_size, or \"auto\" when "
+        'grad_shard_size is "auto".',
     )
     grad_shard_size: _ShardSize = Field(
         None,
         description="Ranks sharing one gradient-accumulation shard (d_g): a multiple of param_shard_size "
-        'that divides node_size, or a multiple of node_size spanning nodes. "auto" is chosen together '
-        "with param_shard_size. Default: param_shard_size.",
+        "that divides node_size, or a multiple of node_size spanning nodes. Default: param_shard_size "
+        '("auto" when param_shard_size is "auto").',
     )
     optimizer_shard_size: _ShardSize = Field(
         None,
-        description="Ranks over which fp32 master weights and optimizer states are sharded (d_o). Only the "
-        'data-parallel world size is supported in this release. Default and "auto": the world size.',
+        description="Ranks over which fp32 master weights and optimizer states are sharded (d_o): any divisor "
+        "of the data-parallel world size that is a multiple of grad_shard_size; the N/d_o replicas all-reduce "
+        'their gradients once per step. "auto" (for any of the three sizes) picks, among the layouts whose '
+        "model states fit memory_budget_gb, the one with the least estimated communication time per "
+        "optimizer step; sizes given as integers constrain the search. Default: the world size.",
     )
     memory_budget_gb: Optional[float] = Field(
         None,
@@ -119,6 +93,20 @@ class AsyncHZPConfig(BaseModel):
         allow_inf_nan=False,
         description='Per-rank budget in GiB for model states, used by "auto". Default: 50% of the '
         "accelerator memory, or of this rank's share of host memory when training on CPU.",
+    )
+    intra_node_bandwidth_gbps: float = Field(
+        800.0,
+        gt=0,
+        allow_inf_nan=False,
+        description='Intra-node bandwidth per rank in Gbit/s, used only by "auto" to estimate communication time. '
+        "Default 800 (100 GB/s, NVLink class).",
+    )
+    inter_node_bandwidth_gbps: float = Field(
+        200.0,
+        gt=0,
+        allow_inf_nan=False,
+        description='Inter-node bandwidth per rank in Gbit/s, used only by "auto" to estimate communication time. '
+        "Default 200 (25 GB/s, one 200 Gbit/s NIC per rank).",
     )
     log_layout: bool = Field(True, description="Rank 0 logs the resolved layout at startup.")
 
@@ -132,6 +120,8 @@ _FIELD_RULES = {
     "grad_shard_size": _SHARD_RULE,
     "optimizer_shard_size": _SHARD_RULE,
     "memory_budget_gb": ("a positive finite number or null", "set the per-rank GiB budget, e.g. 40, or remove it."),
+    "intra_node_bandwidth_gbps": ("a positive finite number", "set the intra-node Gbit/s per rank, e.g. 800, or remove it."),
+    "inter_node_bandwidth_gbps": ("a positive finite number", "set the inter-node Gbit/s per rank, e.g. 200, or remove it."),
     "log_layout": ("true or false", "use a JSON boolean (true/false)."),
 }
 
@@ -190,7 +180,11 @@ def section_from_ds_config(ds_config: dict | str | os.PathLike) -> AsyncHZPConfi
 
 @dataclass(frozen=True)
 class ResolvedLayout:
-    """Concrete group sizes for one run; every field is a positive integer."""
+    """Concrete group sizes for one run; every size is a positive integer.
+
+    ``auto_reason`` is set when ``"auto"`` chose any size: which layouts were considered, the winner's memory
+    against the budget and its estimated communication time against the runner-up's.
+    """
 
     world_size: int
     node_size: int
@@ -199,15 +193,43 @@ class ResolvedLayout:
     grad_shard_size: int
     optimizer_shard_size: int
     log_layout: bool = True
+    auto_reason: Optional[str] = None
+
+    def as_dict(self) -> dict:
+        """The layout as JSON-ready values (what the benchmark records per arm in results.json)."""
+        w = self.world_size
+        return {"world_size": w, "node_size": self.node_size, "num_nodes": self.num_nodes,
+                "param_shard_size": self.param_shard_size, "grad_shard_size": self.grad_shard_size,
+                "optimizer_shard_size": self.optimizer_shard_size,
+                "param_replicas": w // self.param_shard_size, "grad_replicas": w // self.grad_shard_size,
+                "optimizer_replicas": w // self.optimizer_shard_size, "auto_reason": self.auto_reason}
 
     def describe(self) -> str:
+        """One line for rank 0's log: every size with its replica count, and why "auto" chose it."""
         w = self.world_size
-        return (
+        text = (
             f"async_hzp layout: world={w} ({self.num_nodes} node(s) x {self.node_size} ranks); "
-            f"params sharded over {self.param_shard_size} ({w // self.param_shard_size} replicas), "
-            f"grads over {self.grad_shard_size} ({w // self.grad_shard_size} replicas), "
-            f"optimizer states over {self.optimizer_shard_size}"
+            f"params sharded over d_p={self.param_shard_size} ({_replicas(w // self.param_shard_size)}), "
+            f"grads over d_g={self.grad_shard_size} ({_replicas(w // self.grad_shard_size)}), "
+            f"optimizer states over d_o={self.optimizer_shard_size} ({_replicas(w // self.optimizer_shard_size)})"
         )
+        return f"{text}; {self.auto_reason}" if self.auto_reason else text
+
+
+def _replicas(n: int) -> str:
+    return f"{n} replica" + ("" if n == 1 else "s")
+
+
+def _fmt(values: list[int]) -> str:
+    return ", ".join(map(str, values))
+
+
+# ------------------------------------------------------------------------------------------ data types
+# Spellings DeepSpeed 0.19.8 accepts for a dtype (deepspeed/runtime/config.py, DtypeEnum; and
+# get_communication_data_type, which takes fp16, bf16 and fp32 only), mapped to bytes per element.
+_DTYPE_BYTES = {name: 2 for name in ("fp16", "float16", "half", "torch.float16", "bf16", "bfloat16",
+                                      "torch.bfloat16")}
+_DTYPE_BYTES.update({name: 4 for name in ("fp32", "float32", "float", "torch.float32")})
 
 
 def _param_bytes(ds_config: dict) -> int:
@@ -218,12 +240,46 @@ def _param_bytes(ds_config: dict) -> int:
     return 4
 
 
-def _fmt(values: list[int]) -> str:
-    return ", ".join(map(str, values))
+def _dtype_bytes(ds_config: dict, key: str, default: int) -> int:
+    """Bytes of the dtype at ``key`` (a dotted path), ``default`` when unset: how "auto" sizes the flows."""
+    node = ds_config
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    if node is None:
+        return default
+    if not isinstance(node, str) or node.lower() not in _DTYPE_BYTES:
+        raise AsyncHZPConfigError(key, f"is {node!r}, not a dtype DeepSpeed knows.",
+                                  'use "bf16", "fp16" or "fp32", or remove the key.')
+    return _DTYPE_BYTES[node.lower()]
 
 
-def _zero_compat_issues(ds_config: dict, has_client_optimizer: bool) -> list[ConfigIssue]:
-    """Settings elsewhere in the ds_config that AsyncHZP needs or cannot combine with."""
+def _grad_accum_steps(ds_config: dict, world: int) -> int:
+    """Micro-steps per optimizer step as DeepSpeed derives them; 1 where the config leaves it open ("auto")."""
+    steps = ds_config.get("gradient_accumulation_steps")
+    if type(steps) is int and steps >= 1:
+        return steps
+    batch, micro = ds_config.get("train_batch_size"), ds_config.get("train_micro_batch_size_per_gpu")
+    if type(batch) is int and type(micro) is int and micro >= 1 and batch >= micro * world:
+        return batch // (micro * world)
+    return 1
+
+
+# ------------------------------------------------------------------------------- the rest of the config
+def _value_in(section: Any, key: str) -> Any:
+    return section.get(key) if isinstance(section, dict) else None
+
+
+def _compat_issues(ds_config: dict, has_client_optimizer: bool) -> list[ConfigIssue]:
+    """Settings elsewhere in the ds_config that AsyncHZP needs or cannot combine with.
+
+    Key spellings checked against DeepSpeed 0.19.8: ``zero_quantized_nontrainable_weights`` is a field of
+    DeepSpeedZeroConfig (runtime/zero/config.py); ``super_offload`` a field of the optimizer offload config
+    (runtime/zero/offload_config.py, read as ``zero_optimization.offload_optimizer.super_offload`` by
+    engine.super_offload(), which then builds SuperOffloadOptimizer_Stage3 whatever the offload device);
+    ``autotp_size`` of the ``tensor_parallel`` section (runtime/tensor_parallel/config.py, 0 = off);
+    ``expert_parallel.enabled`` (runtime/config.py EXPERT_PARALLEL, module_inject/auto_ep_config.py);
+    ``compile.deepcompile`` (runtime/config.py builds CompileConfig from the ``compile`` section).
+    """
     issues = []
     zero = ds_config.get("zero_optimization") or {}
     if not isinstance(zero, dict):
@@ -243,7 +299,7 @@ def _zero_compat_issues(ds_config: dict, has_client_optimizer: bool) -> list[Con
             f"remove zero_optimization.zero_hpz_partition_size (or set it to 1) and use "
             f"async_hzp.param_shard_size: {hpz} instead."))
 
-    for key in ("zero_quantized_gradients", "zero_quantized_weights"):
+    for key in ("zero_quantized_gradients", "zero_quantized_weights", "zero_quantized_nontrainable_weights"):
         if zero.get(key):
             issues.append(ConfigIssue(f"zero_optimization.{key}", "is true, which is not supported together with async_hzp yet.",
                                       f"set zero_optimization.{key} to false, or remove the async_hzp section."))
@@ -260,12 +316,39 @@ def _zero_compat_issues(ds_config: dict, has_client_optimizer: bool) -> list[Con
         if zero.get(key):
             issues.append(ConfigIssue(f"zero_optimization.{key}", f"is true (deprecated spelling of {new}); offloading "
                                       "is not supported together with async_hzp.", f"remove zero_optimization.{key}."))
+    # Super-offload replaces the Stage 3 optimizer class that async_hzp subclasses, even with device "none".
+    if _value_in(zero.get("offload_optimizer"), "super_offload"):
+        issues.append(ConfigIssue("zero_optimization.offload_optimizer.super_offload",
+                                  "is true; super-offload replaces the ZeRO-3 optimizer that async_hzp builds on.",
+                                  "set zero_optimization.offload_optimizer.super_offload to false, or remove "
+                                  "the async_hzp section."))
+    if zero.get("super_offload"):  # not a DeepSpeed 0.19.8 key at this level, but named before DeepSpeed fails
+        issues.append(ConfigIssue("zero_optimization.super_offload",
+                                  "is true; super-offload is not supported together with async_hzp (and DeepSpeed "
+                                  "reads it as zero_optimization.offload_optimizer.super_offload).",
+                                  "remove zero_optimization.super_offload."))
 
     for key in ("mics_shard_size", "mics_hierarchical_params_gather"):
         if key in zero:
             issues.append(ConfigIssue(f"zero_optimization.{key}", "is set, but MiCS was removed from DeepSpeed.",
                                       f"remove zero_optimization.{key}; async_hzp.param_shard_size gives "
                                       "the same intra-node parameter sharding."))
+
+    autotp = _value_in(ds_config.get("tensor_parallel"), "autotp_size")
+    if isinstance(autotp, (int, float)) and not isinstance(autotp, bool) and autotp > 1:
+        issues.append(ConfigIssue("tensor_parallel.autotp_size",
+                                  f"is {autotp}; AutoTP tensor parallelism is not supported together with async_hzp "
+                                  "yet (its shard groups are built over the whole world).",
+                                  "set tensor_parallel.autotp_size to 0 or 1, or remove the async_hzp section."))
+    if _value_in(ds_config.get("expert_parallel"), "enabled"):
+        issues.append(ConfigIssue("expert_parallel.enabled",
+                                  "is true; expert parallelism (AutoEP) is not supported together with async_hzp yet.",
+                                  "set expert_parallel.enabled to false, or remove the async_hzp section."))
+    if _value_in(ds_config.get("compile"), "deepcompile"):
+        issues.append(ConfigIssue("compile.deepcompile",
+                                  "is true; DeepCompile replaces the ZeRO-3 gathers and reductions that async_hzp "
+                                  "hooks, so it is not supported together with async_hzp.",
+                                  "set compile.deepcompile to false, or remove the async_hzp section."))
 
     if not ds_config.get("optimizer") and not has_client_optimizer:
         issues.append(ConfigIssue(
@@ -276,15 +359,31 @@ def _zero_compat_issues(ds_config: dict, has_client_optimizer: bool) -> list[Con
     return issues
 
 
+_NODE_ENV = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE")
+
+
 def _resolve_node_size(section: AsyncHZPConfig, local_world_size: int | None, world: int) -> int:
     key = f"{SECTION}.node_size"
     if section.node_size is not None:
         node, source = section.node_size, "set in the config"
+        # A node size that disagrees with the launcher would put "intra-node" groups across real nodes. The
+        # launcher's value is the first of _NODE_ENV that is set, as where node_size is unset (and in
+        # runtime/api.py), so exporting LOCAL_WORLD_SIZE overrides a launcher's LOCAL_SIZE.
+        reported = [(f"local_world_size={local_world_size} passed to resolve_layout", local_world_size)]
+        env = next((e for e in _NODE_ENV if os.environ.get(e, "").strip()), None)
+        if env is not None and os.environ[env].strip().isdigit():
+            reported.append((f"environment {env}={os.environ[env].strip()}", int(os.environ[env].strip())))
+        for where, value in reported:
+            if value is not None and value != node:
+                raise AsyncHZPConfigError(
+                    key, f"is {node}, but the launcher reports {value} ranks per node ({where}).",
+                    f"set {key} to {value} or remove it (it defaults to the launcher's value); to emulate nodes of "
+                    f"{node} ranks, start the ranks with LOCAL_WORLD_SIZE={node}.")
     elif local_world_size is not None:
         node, source = local_world_size, "the launcher's local world size"
     else:
         node = source = None
-        for env in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        for env in _NODE_ENV:
             raw = os.environ.get(env, "").strip()
             if raw:
                 if not raw.isdigit() or int(raw) < 1:
@@ -309,18 +408,15 @@ def _resolve_node_size(section: AsyncHZPConfig, local_world_size: int | None, wo
     return node
 
 
-def _valid_grad_sizes(d_p: int, node: int, world: int) -> list[int]:
-    return [v for v in sizing.divisors(world) if v % d_p == 0 and (node % v == 0 or v % node == 0)]
-
-
 def _layout_issues(d_p: int, d_g: int, d_o: int, node: int, world: int) -> list[ConfigIssue]:
     issues = []
-    p_key, g_key, o_key = (f"{SECTION}.{k}_shard_size" for k in ("param", "grad", "optimizer"))
+    p_key, g_key, o_key = (f"{SECTION}.{k}" for k in sizing.SIZE_KEYS)
     param_ok = node % d_p == 0
     if not param_ok:
         issues.append(ConfigIssue(
             p_key, f"is {d_p}, which does not divide node_size {node}; parameters are gathered inside a node only.",
             f"set {p_key} to one of {_fmt(sizing.divisors(node))}, or leave it unset for {node}."))
+    grad_ok = False
     if param_ok:
         reason = None
         if d_g % d_p != 0:
@@ -331,15 +427,31 @@ def _layout_issues(d_p: int, d_g: int, d_o: int, node: int, world: int) -> list[
             reason = f"spans nodes, so it must be a multiple of node_size {node}"
         elif d_g <= node and node % d_g != 0:
             reason = f"does not divide node_size {node}"
+        grad_ok = reason is None
         if reason:
             issues.append(ConfigIssue(g_key, f"is {d_g}, which {reason}.",
-                                      f"set {g_key} to one of {_fmt(_valid_grad_sizes(d_p, node, world))}, "
+                                      f"set {g_key} to one of {_fmt(sizing.valid_grad_sizes(d_p, node, world))}, "
                                       f"or leave it unset (defaults to {p_key}={d_p})."))
-    if d_o != world:
+    if world % d_o != 0 or (grad_ok and d_o % d_g != 0):
+        valid = [v for v in sizing.divisors(world) if v % d_g == 0] if grad_ok else sizing.divisors(world)
         issues.append(ConfigIssue(
-            o_key, f"is {d_o}; optimizer shards smaller than the data-parallel world ({world}) are not supported "
-            "in this release.", f"leave {o_key} unset or set it to the world size {world}."))
+            o_key, f"is {d_o}, which must divide the data-parallel world size {world} and be a multiple of "
+            f"{g_key}={d_g}.", f"set {o_key} to one of {_fmt(valid)}, or leave it unset for {world}."))
     return issues
+
+
+def _auto_sizes(section: AsyncHZPConfig, node: int, world: int) -> tuple[list, dict]:
+    """The sizes that "auto" chooses (as JSON keys) and the ones it must keep: unset param/grad sizes join a
+    partner's "auto"; an unset optimizer size stays at its default, the world."""
+    d_p, d_g, d_o = (getattr(section, k) for k in sizing.SIZE_KEYS)
+    if d_p is None:
+        d_p = "auto" if d_g == "auto" else node
+    if d_g is None:
+        d_g = d_p
+    if d_o is None:
+        d_o = world
+    sizes = dict(zip(sizing.SIZE_KEYS, (d_p, d_g, d_o)))
+    return [k for k, v in sizes.items() if v == "auto"], {k: v for k, v in sizes.items() if v != "auto"}
 
 
 def resolve_layout(
@@ -354,10 +466,13 @@ def resolve_layout(
 
     ``world_size`` is the data-parallel world size; ``local_world_size`` the
     ranks per node when the caller knows it (else the launcher's environment
-    is read). ``num_parameters`` (padded, see :mod:`ds_asynchzp.sizing`) is
-    needed only for ``"auto"``. Returns None when the section is absent or
-    disabled. Pure function of its inputs and the environment: no process
-    group is created or used.
+    is read; a configured ``async_hzp.node_size`` must agree with both).
+    ``num_parameters`` (padded, see :mod:`ds_asynchzp.accounting.sizing`) is
+    needed only for ``"auto"``, which also reads the accumulation steps and
+    the dtypes (``bf16``/``fp16``, ``data_types.grad_accum_dtype``,
+    ``communication_data_type``) from the ds_config. Returns None when the
+    section is absent or disabled. Pure function of its inputs and the
+    environment: no process group is created or used.
     """
     if type(world_size) is not int or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -368,38 +483,38 @@ def resolve_layout(
     section = section_from_ds_config(ds_config)
     if section is None:
         return None
-    issues = _zero_compat_issues(ds_config, has_client_optimizer)
+    issues = _compat_issues(ds_config, has_client_optimizer)
     if issues:
         raise AsyncHZPConfigError(issues)
 
     world = world_size
     node = _resolve_node_size(section, local_world_size, world)
-    d_p, d_g, d_o = section.param_shard_size, section.grad_shard_size, section.optimizer_shard_size
-
-    auto_keys = [f"{SECTION}.{k}" for k in ("param_shard_size", "grad_shard_size") if getattr(section, k) == "auto"]
-    if auto_keys:
-        # "auto" chooses d_p and d_g together; a fixed partner would invalidate the memory model.
-        for k, v in (("param_shard_size", d_p), ("grad_shard_size", d_g)):
-            if isinstance(v, int):
-                raise AsyncHZPConfigError(
-                    f"{SECTION}.{k}", f"is {v}, but {auto_keys[0]} is \"auto\", which chooses both sizes together.",
-                    f'remove {SECTION}.{k} or set it to "auto" as well, or give both sizes as integers.')
+    autos, fixed = _auto_sizes(section, node, world)
+    reason = None
+    if autos:
         if num_parameters is None:
+            first = next(k for k in sizing.SIZE_KEYS if getattr(section, k) == "auto")
             raise AsyncHZPConfigError(
-                auto_keys[0], '"auto" needs the model\'s parameter count, which was not provided.',
+                f"{SECTION}.{first}", '"auto" needs the model\'s parameter count, which was not provided.',
                 "pass num_parameters (the model's padded parameter count) to resolve_layout, or set integer "
                 f"sizes, e.g. {SECTION}.param_shard_size to one of {_fmt(sizing.divisors(node))}.")
         budget = None if section.memory_budget_gb is None else section.memory_budget_gb * sizing.BYTES_PER_GB
-        d_p, d_g, _ = sizing.choose_shard_sizes(num_parameters, world, node, budget,
-                                                param_bytes=_param_bytes(ds_config))
+        b = _param_bytes(ds_config)
+        *chosen, reason = sizing.choose_layout(
+            num_parameters, world, node, budget, param_bytes=b,
+            grad_accum_bytes=_dtype_bytes(ds_config, "data_types.grad_accum_dtype", b),
+            grad_comm_bytes=_dtype_bytes(ds_config, "communication_data_type", b),
+            grad_accum_steps=_grad_accum_steps(ds_config, world),
+            intra_bw_bytes_s=section.intra_node_bandwidth_gbps * 1e9 / 8,
+            inter_bw_bytes_s=section.inter_node_bandwidth_gbps * 1e9 / 8, fixed=fixed)
+        d_p, d_g, d_o = chosen
     else:
-        d_p = node if d_p is None else d_p
-        d_g = d_p if d_g is None else d_g
-    d_o = world if d_o in (None, "auto") else d_o
+        d_p, d_g, d_o = (fixed[k] for k in sizing.SIZE_KEYS)
 
     issues = _layout_issues(d_p, d_g, d_o, node, world)
     if issues:
         raise AsyncHZPConfigError(issues)
 
     # Logged by the engine once its process groups exist (rank 0 only).
-    return ResolvedLayout(world, node, world // node, d_p, d_g, d_o, log_layout=section.log_layout)
+    return ResolvedLayout(world, node, world // node, d_p, d_g, d_o, log_layout=section.log_layout,
+                          auto_reason=reason)

@@ -6,11 +6,15 @@ checked to leave torch.distributed uninitialized.
 
 import copy
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
-from ds_asynchzp import schema, sizing
+from ds_asynchzp import schema
+from ds_asynchzp.accounting import sizing
 from ds_asynchzp.config import (
     AsyncHZPConfig,
     AsyncHZPConfigError,
@@ -88,6 +92,9 @@ BAD = [
     ("optim-negative", make({"optimizer_shard_size": -1}), 8, 4, {}, {}, "async_hzp.optimizer_shard_size"),
     ("budget-zero", make({"memory_budget_gb": 0}), 8, 4, {}, {}, "async_hzp.memory_budget_gb"),
     ("budget-string", make({"memory_budget_gb": "lots"}), 8, 4, {}, {}, "async_hzp.memory_budget_gb"),
+    ("intra-bw-zero", make({"intra_node_bandwidth_gbps": 0}), 8, 4, {}, {}, "async_hzp.intra_node_bandwidth_gbps"),
+    ("inter-bw-string", make({"inter_node_bandwidth_gbps": "fast"}), 8, 4, {}, {},
+     "async_hzp.inter_node_bandwidth_gbps"),
     ("log-layout-int", make({"log_layout": 1}), 8, 4, {}, {}, "async_hzp.log_layout"),
     ("stage-missing", make(drop=["zero_optimization.stage"]), 8, 4, {}, {}, "zero_optimization.stage"),
     ("stage-2", make(zero={"stage": 2}), 8, 4, {}, {}, "zero_optimization.stage"),
@@ -96,16 +103,29 @@ BAD = [
     ("hpz", make(zero={"zero_hpz_partition_size": 4}), 8, 4, {}, {}, "zero_optimization.zero_hpz_partition_size"),
     ("qgZ", make(zero={"zero_quantized_gradients": True}), 8, 4, {}, {}, "zero_optimization.zero_quantized_gradients"),
     ("qwZ", make(zero={"zero_quantized_weights": True}), 8, 4, {}, {}, "zero_optimization.zero_quantized_weights"),
+    ("qwZ-nontrainable", make(zero={"zero_quantized_nontrainable_weights": True}), 8, 4, {}, {},
+     "zero_optimization.zero_quantized_nontrainable_weights"),
     ("offload-optim", make(zero={"offload_optimizer": {"device": "cpu"}}), 8, 4, {}, {},
      "zero_optimization.offload_optimizer.device"),
     ("offload-param", make(zero={"offload_param": {"device": "nvme"}}), 8, 4, {}, {},
      "zero_optimization.offload_param.device"),
     ("cpu-offload-legacy", make(zero={"cpu_offload": True}), 8, 4, {}, {}, "zero_optimization.cpu_offload"),
+    # DeepSpeed 0.19.8 builds SuperOffloadOptimizer_Stage3 from this flag whatever the offload device.
+    ("super-offload", make(zero={"offload_optimizer": {"device": "none", "super_offload": True}}), 8, 4, {}, {},
+     "zero_optimization.offload_optimizer.super_offload"),
+    ("super-offload-top-level", make(zero={"super_offload": True}), 8, 4, {}, {}, "zero_optimization.super_offload"),
     ("mics", make(zero={"mics_shard_size": 4}), 8, 4, {}, {}, "zero_optimization.mics_shard_size"),
+    ("autotp", make(tensor_parallel={"autotp_size": 2}), 8, 4, {}, {}, "tensor_parallel.autotp_size"),
+    ("expert-parallel", make(expert_parallel={"enabled": True, "autoep_size": 2}), 8, 4, {}, {},
+     "expert_parallel.enabled"),
+    ("deepcompile", make(compile={"deepcompile": True}), 8, 4, {}, {}, "compile.deepcompile"),
     ("node-size-unknown", make(), 8, None, {}, {}, "async_hzp.node_size"),
     ("node-size-env-garbage", make(), 8, None, {"LOCAL_WORLD_SIZE": "four"}, {}, "async_hzp.node_size"),
     ("node-size-not-dividing", make({"node_size": 3}), 8, None, {}, {}, "async_hzp.node_size"),
     ("node-size-above-world", make(), 4, 8, {}, {}, "async_hzp.node_size"),
+    ("node-size-vs-local-world-size", make({"node_size": 2}), 8, 4, {}, {}, "async_hzp.node_size"),
+    ("node-size-vs-env", make({"node_size": 2}), 8, None, {"LOCAL_WORLD_SIZE": "4"}, {}, "async_hzp.node_size"),
+    ("node-size-vs-env-local-size", make({"node_size": 4}), 8, None, {"LOCAL_SIZE": "2"}, {}, "async_hzp.node_size"),
     ("param-not-dividing-node", make({"param_shard_size": 3}), 8, 4, {}, {}, "async_hzp.param_shard_size"),
     ("param-spans-nodes", make({"param_shard_size": 8}), 8, 4, {}, {}, "async_hzp.param_shard_size"),
     ("grad-below-param", make({"param_shard_size": 4, "grad_shard_size": 2}), 8, 4, {}, {},
@@ -113,13 +133,26 @@ BAD = [
     ("grad-partial-nodes", make({"param_shard_size": 2, "grad_shard_size": 6}), 12, 4, {}, {},
      "async_hzp.grad_shard_size"),
     ("grad-above-world", make({"grad_shard_size": 16}), 8, 4, {}, {}, "async_hzp.grad_shard_size"),
-    ("optim-below-world", make({"optimizer_shard_size": 4}), 8, 4, {}, {}, "async_hzp.optimizer_shard_size"),
+    ("optim-below-grad", make({"param_shard_size": 2, "grad_shard_size": 4, "optimizer_shard_size": 2}), 8, 4, {}, {},
+     "async_hzp.optimizer_shard_size"),
+    ("optim-not-dividing-world", make({"optimizer_shard_size": 12}), 8, 4, {}, {}, "async_hzp.optimizer_shard_size"),
+    ("optim-not-multiple-of-grad", make({"param_shard_size": 2, "grad_shard_size": 4, "optimizer_shard_size": 6}),
+     12, 4, {}, {}, "async_hzp.optimizer_shard_size"),
     ("auto-without-model", make({"param_shard_size": "auto"}), 8, 4, {}, {}, "async_hzp.param_shard_size"),
     ("auto-grad-without-model", make({"grad_shard_size": "auto"}), 8, 4, {}, {}, "async_hzp.grad_shard_size"),
-    ("auto-mixed-with-int", make({"param_shard_size": 2, "grad_shard_size": "auto"}), 8, 4, {}, {"num_parameters": PSI},
-     "async_hzp.param_shard_size"),
-    ("auto-budget-too-small", make({"param_shard_size": "auto", "memory_budget_gb": 3}, bf16={"enabled": True}), 8, 4, {}, {"num_parameters": PSI},
+    ("auto-optim-without-model", make({"optimizer_shard_size": "auto"}), 8, 4, {}, {},
+     "async_hzp.optimizer_shard_size"),
+    ("auto-with-impossible-fixed-param", make({"param_shard_size": 3, "grad_shard_size": "auto"}), 8, 4, {},
+     {"num_parameters": PSI}, "async_hzp.param_shard_size"),
+    ("auto-with-impossible-fixed-optim", make({"param_shard_size": "auto", "optimizer_shard_size": 5}), 12, 4, {},
+     {"num_parameters": PSI}, "async_hzp.optimizer_shard_size"),
+    ("auto-budget-too-small", make({"param_shard_size": "auto", "optimizer_shard_size": "auto",
+                                    "memory_budget_gb": 2}, bf16={"enabled": True}), 8, 4, {}, {"num_parameters": PSI},
      "async_hzp.memory_budget_gb"),
+    ("auto-bad-grad-accum-dtype", make({"param_shard_size": "auto"}, data_types={"grad_accum_dtype": "int4"}), 8, 4,
+     {}, {"num_parameters": PSI}, "data_types.grad_accum_dtype"),
+    ("auto-bad-comm-dtype", make({"param_shard_size": "auto"}, communication_data_type="fp8"), 8, 4, {},
+     {"num_parameters": PSI}, "communication_data_type"),
 ]
 
 
@@ -142,10 +175,12 @@ def test_bad_cases_are_distinct_and_numerous():
 
 
 def test_independent_problems_are_reported_together():
-    cfg = make(zero={"stage": 1, "zero_quantized_weights": True}, drop=["optimizer"])
+    cfg = make(zero={"stage": 1, "zero_quantized_weights": True}, drop=["optimizer"],
+               tensor_parallel={"autotp_size": 4}, compile={"deepcompile": True})
     with pytest.raises(AsyncHZPConfigError) as info:
         resolve_layout(cfg, 8, 4)
-    assert set(info.value.keys) == {"zero_optimization.stage", "zero_optimization.zero_quantized_weights", "optimizer"}
+    assert set(info.value.keys) == {"zero_optimization.stage", "zero_optimization.zero_quantized_weights", "optimizer",
+                                    "tensor_parallel.autotp_size", "compile.deepcompile"}
     assert not dist.is_initialized()
 
 
@@ -155,10 +190,43 @@ def test_messages_suggest_valid_values():
     assert "8" in str(info.value)
     with pytest.raises(AsyncHZPConfigError, match=r"one of 1, 2, 4"):
         resolve_layout(make({"param_shard_size": 3}), 8, 4)
-    with pytest.raises(AsyncHZPConfigError, match=r"world size 8"):
-        resolve_layout(make({"optimizer_shard_size": 4}), 8, 4)
+    # d_o: the divisors of the world that are multiples of d_g.
+    with pytest.raises(AsyncHZPConfigError, match=r"world size 12 .*one of 4, 12\b"):
+        resolve_layout(make({"param_shard_size": 2, "grad_shard_size": 4, "optimizer_shard_size": 6}), 12, 4)
+    with pytest.raises(AsyncHZPConfigError, match=r"one of 4, 8\b"):
+        resolve_layout(make({"optimizer_shard_size": 2}), 8, 4)
     with pytest.raises(AsyncHZPConfigError, match=r"did you mean async_hzp.param_shard_size"):
         section_from_ds_config(make({"param_shard_sise": 2}))
+    # A fixed size next to "auto": the valid values given the other fixed sizes.
+    with pytest.raises(AsyncHZPConfigError, match=r"optimizer_shard_size to one of 1, 2, 3, 4, 6, 12, or to \"auto\""):
+        resolve_layout(make({"param_shard_size": "auto", "optimizer_shard_size": 5}), 12, 4, num_parameters=PSI)
+    with pytest.raises(AsyncHZPConfigError, match=r"grad_shard_size=8 .*param_shard_size to one of 1, 2, 4, or"):
+        resolve_layout(make({"param_shard_size": 8, "grad_shard_size": 8, "optimizer_shard_size": "auto"}), 16, 4,
+                       num_parameters=PSI)
+
+
+def test_node_size_mismatch_names_both_values_and_the_fix(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with pytest.raises(AsyncHZPConfigError) as info:
+        resolve_layout(make({"node_size": 4}), 16, None)
+    message = str(info.value)
+    assert "is 4" in message and "LOCAL_WORLD_SIZE=8" in message
+    assert "set async_hzp.node_size to 8 or remove it" in message
+    with pytest.raises(AsyncHZPConfigError, match=r"is 4, but the launcher reports 2 .*local_world_size=2"):
+        resolve_layout(make({"node_size": 4}), 16, 2)
+    # Agreement (and no environment at all) is fine.
+    assert resolve_layout(make({"node_size": 8}), 16, 8).node_size == 8
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert resolve_layout(make({"node_size": 4}), 16, None).node_size == 4
+
+
+def test_supported_neighbours_of_rejected_keys_pass():
+    """The rejections look at the value, not the key's presence: off values and reduce_scatter: false pass."""
+    cfg = make(zero={"reduce_scatter": False, "zero_quantized_nontrainable_weights": False,
+                     "offload_optimizer": {"device": "none", "super_offload": False}},
+               tensor_parallel={"autotp_size": 1}, expert_parallel={"enabled": False}, compile={"deepcompile": False})
+    layout = resolve_layout(cfg, 8, 4)
+    assert (layout.param_shard_size, layout.grad_shard_size, layout.optimizer_shard_size) == (4, 4, 8)
 
 
 # ---------------------------------------------------------------- good layouts
@@ -169,23 +237,58 @@ GOOD = [
     ("grad-defaults-to-param", make({"param_shard_size": 2}), 8, 4, {}, {}, (2, 2, 8)),
     ("grad-spans-nodes", make({"param_shard_size": 2, "grad_shard_size": 8}), 16, 4, {}, {}, (2, 8, 16)),
     ("optimizer-explicit-world", make({"optimizer_shard_size": 8}), 8, 4, {}, {}, (4, 4, 8)),
-    ("optimizer-auto", make({"optimizer_shard_size": "auto"}), 8, 4, {}, {}, (4, 4, 8)),
-    ("node-size-from-section", make({"node_size": 2}), 8, 4, {}, {}, (2, 2, 8)),
+    ("optimizer-inside-node", make({"param_shard_size": 2, "grad_shard_size": 4, "optimizer_shard_size": 4}), 8, 4,
+     {}, {}, (2, 4, 4)),
+    ("optimizer-equals-param", make({"param_shard_size": 2, "optimizer_shard_size": 2}), 8, 4, {}, {}, (2, 2, 2)),
+    ("optimizer-spans-part-of-world", make({"param_shard_size": 2, "grad_shard_size": 4, "optimizer_shard_size": 8}),
+     16, 4, {}, {}, (2, 4, 8)),
+    ("optimizer-not-aligned-with-nodes", make({"param_shard_size": 2, "optimizer_shard_size": 6}), 12, 4, {}, {},
+     (2, 2, 6)),
+    ("node-size-from-section", make({"node_size": 2}), 8, None, {}, {}, (2, 2, 8)),
+    ("node-size-agrees-with-env", make({"node_size": 4}), 8, None, {"LOCAL_WORLD_SIZE": "4"}, {}, (4, 4, 8)),
+    # LOCAL_WORLD_SIZE, when exported, overrides the LOCAL_SIZE the deepspeed launcher sets (emulated nodes).
+    ("node-size-env-precedence", make({"node_size": 2}), 8, None, {"LOCAL_WORLD_SIZE": "2", "LOCAL_SIZE": "4"}, {},
+     (2, 2, 8)),
     ("node-size-from-env", make(), 8, None, {"LOCAL_WORLD_SIZE": "4"}, {}, (4, 4, 8)),
     ("node-size-from-local-size", make(), 8, None, {"LOCAL_SIZE": "2"}, {}, (2, 2, 8)),
     ("single-rank", make(), 1, 1, {}, {}, (1, 1, 1)),
     ("client-optimizer", make(drop=["optimizer"]), 8, 4, {}, {"has_client_optimizer": True}, (4, 4, 8)),
     ("harmless-zero-keys", make(zero={"zero_hpz_partition_size": 1, "offload_param": {"device": "none"}}), 8, 4, {}, {},
      (4, 4, 8)),
-    # Generous budget: full replication (d_p = 1) needs 8.25e9 bytes and fits.
-    ("auto-generous", make({"param_shard_size": "auto", "memory_budget_gb": 100}, bf16={"enabled": True}), 8, 4, {}, {"num_parameters": PSI},
-     (1, 1, 8)),
-    # 6 GiB ~ 6.44e9: d=1 (8.25e9) is too big, d=2 (5.25e9) fits.
-    ("auto-medium", make({"param_shard_size": "auto", "grad_shard_size": "auto", "memory_budget_gb": 6}, bf16={"enabled": True}), 8, 4, {},
-     {"num_parameters": PSI}, (2, 2, 8)),
-    # 4 GiB ~ 4.29e9: only d=4 (3.75e9) fits.
-    ("auto-tight", make({"grad_shard_size": "auto", "memory_budget_gb": 4}, bf16={"enabled": True}), 8, 4, {}, {"num_parameters": PSI},
-     (4, 4, 8)),
+    ("reduce-scatter-false", make(zero={"reduce_scatter": False}), 8, 4, {}, {}, (4, 4, 8)),
+    # "auto" (bf16, A = 1, default bandwidths 100 / 25 GB/s; see test_auto_cost_table for the numbers):
+    # all three free and a generous budget: the cheapest layout, d_o inside the node.
+    ("auto-all-generous", make({"param_shard_size": "auto", "grad_shard_size": "auto", "optimizer_shard_size": "auto",
+                                "memory_budget_gb": 100}, bf16={"enabled": True}), 8, 4, {}, {"num_parameters": PSI},
+     (1, 4, 4)),
+    # Unset optimizer size stays at the world: only d_o = 8 layouts compete.
+    ("auto-param-only", make({"param_shard_size": "auto", "memory_budget_gb": 100}, bf16={"enabled": True}), 8, 4, {},
+     {"num_parameters": PSI}, (4, 4, 8)),
+    # A fixed size constrains the search instead of being refused.
+    ("auto-with-fixed-param", make({"param_shard_size": 2, "grad_shard_size": "auto", "optimizer_shard_size": "auto",
+                                    "memory_budget_gb": 100}, bf16={"enabled": True}), 8, 4, {},
+     {"num_parameters": PSI}, (2, 4, 4)),
+    ("auto-optimizer-only", make({"param_shard_size": 2, "grad_shard_size": 2, "optimizer_shard_size": "auto",
+                                  "memory_budget_gb": 100}, bf16={"enabled": True}), 8, 4, {},
+     {"num_parameters": PSI}, (2, 2, 4)),
+    # 4 GiB ~ 4.29e9: (2,4,4) needs 4.5e9; (4,4,8) and (4,4,4) tie at 0.065 s, (4,4,8) needs less memory.
+    ("auto-tight", make({"grad_shard_size": "auto", "optimizer_shard_size": "auto", "memory_budget_gb": 4},
+                        bf16={"enabled": True}), 8, 4, {}, {"num_parameters": PSI}, (4, 4, 8)),
+    # 2.2 GiB: only (4,8,8) (2.25e9) fits.
+    ("auto-only-one-fits", make({"grad_shard_size": "auto", "optimizer_shard_size": "auto", "memory_budget_gb": 2.2},
+                                bf16={"enabled": True}), 8, 4, {}, {"num_parameters": PSI}, (4, 8, 8)),
+    # More micro-steps weigh the per-micro-step flows: with A = 8 the replicated gradient shard wins.
+    ("auto-grad-accumulation", make({"param_shard_size": "auto", "optimizer_shard_size": "auto", "memory_budget_gb": 100},
+                                    bf16={"enabled": True}, gradient_accumulation_steps=8), 8, 4, {},
+     {"num_parameters": PSI}, (1, 1, 4)),
+    # The same from train_batch_size / (micro batch * world) = 64 / (1 * 8).
+    ("auto-grad-accumulation-derived", make({"param_shard_size": "auto", "optimizer_shard_size": "auto",
+                                             "memory_budget_gb": 100}, bf16={"enabled": True}, train_batch_size=64),
+     8, 4, {}, {"num_parameters": PSI}, (1, 1, 4)),
+    # Inter-node links as fast as NVLink: crossing nodes costs nothing extra, so the smallest-memory tie wins.
+    ("auto-bandwidths", make({"param_shard_size": "auto", "optimizer_shard_size": "auto", "memory_budget_gb": 100,
+                              "inter_node_bandwidth_gbps": 800}, bf16={"enabled": True}), 8, 4, {},
+     {"num_parameters": PSI}, (1, 8, 8)),
 ]
 
 
@@ -198,20 +301,88 @@ def test_good_config_resolves(monkeypatch, cfg, world, local, env, kwargs, expec
     assert (layout.param_shard_size, layout.grad_shard_size, layout.optimizer_shard_size) == expected
     assert layout.world_size == world
     assert layout.num_nodes * layout.node_size == world
+    assert (layout.auto_reason is not None) == ("auto" in json.dumps(cfg["async_hzp"]))
     assert not dist.is_initialized()
 
 
-def test_layout_fields_and_description():
+def test_layout_fields_description_and_dict():
     layout = resolve_layout(make(), 8, 4)
     assert layout == ResolvedLayout(world_size=8, node_size=4, num_nodes=2, param_shard_size=4, grad_shard_size=4,
                                     optimizer_shard_size=8)
+    assert layout.auto_reason is None
     text = layout.describe()
     assert "\n" not in text and "world=8" in text and "2 node(s) x 4 ranks" in text
+    assert "d_p=4 (2 replicas)" in text and "d_g=4 (2 replicas)" in text and "d_o=8 (1 replica)" in text
+    assert layout.as_dict() == {"world_size": 8, "node_size": 4, "num_nodes": 2, "param_shard_size": 4,
+                                "grad_shard_size": 4, "optimizer_shard_size": 8, "param_replicas": 2,
+                                "grad_replicas": 2, "optimizer_replicas": 1, "auto_reason": None}
+    json.dumps(layout.as_dict())
+    inner = resolve_layout(make({"param_shard_size": 2, "grad_shard_size": 4, "optimizer_shard_size": 4}), 8, 4)
+    assert "d_o=4 (2 replicas)" in inner.describe()
+
+
+def test_auto_reason_names_the_numbers_and_reaches_describe():
+    cfg = make({"grad_shard_size": "auto", "optimizer_shard_size": "auto", "memory_budget_gb": 3},
+               bf16={"enabled": True})
+    layout = resolve_layout(cfg, 8, 4, num_parameters=PSI)
+    # 3 GiB: (4,4,8) needs 2.5e9 bytes and 0.065 s; the runner-up (2,4,8) 3.0e9 bytes and 0.075 s.
+    assert (layout.param_shard_size, layout.grad_shard_size, layout.optimizer_shard_size) == (4, 4, 8)
+    reason = layout.auto_reason
+    assert "d_p=4, d_g=4, d_o=8" in reason and "of 19 valid layouts (4 fit the budget)" in reason
+    assert "2.33 GiB per rank (budget 3.00 GiB)" in reason
+    assert "0.065 s per optimizer step vs 0.075 s for the runner-up d_p=2, d_g=4, d_o=8" in reason
+    assert reason in layout.describe() and layout.as_dict()["auto_reason"] == reason
+    # A tie on time goes to the smaller memory, and the reason says so.
+    tie = resolve_layout(make({"grad_shard_size": "auto", "optimizer_shard_size": "auto", "memory_budget_gb": 4},
+                              bf16={"enabled": True}), 8, 4, num_parameters=PSI).auto_reason
+    assert "the same as the runner-up d_p=4, d_g=4, d_o=4, which needs 3.73 GiB per rank" in tie
+    only = resolve_layout(make({"grad_shard_size": "auto", "optimizer_shard_size": "auto", "memory_budget_gb": 2.2},
+                               bf16={"enabled": True}), 8, 4, num_parameters=PSI).auto_reason
+    assert "no other layout fits" in only
+
+
+def test_auto_reads_dtypes_steps_and_bandwidths_from_the_ds_config(monkeypatch):
+    seen = {}
+    real = sizing.choose_layout
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs, budget=args[3])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sizing, "choose_layout", spy)
+    cfg = make({"param_shard_size": "auto", "memory_budget_gb": 50, "intra_node_bandwidth_gbps": 1600,
+                "inter_node_bandwidth_gbps": 400, "optimizer_shard_size": 8, "grad_shard_size": 4},
+               bf16={"enabled": True}, gradient_accumulation_steps=3, communication_data_type="fp32",
+               data_types={"grad_accum_dtype": "fp32"})
+    resolve_layout(cfg, 8, 4, num_parameters=PSI)
+    assert seen == {"param_bytes": 2, "grad_accum_bytes": 4, "grad_comm_bytes": 4, "grad_accum_steps": 3,
+                    "intra_bw_bytes_s": 200e9, "inter_bw_bytes_s": 50e9, "budget": 50 * GIB,
+                    "fixed": {"grad_shard_size": 4, "optimizer_shard_size": 8}}
+    # Defaults: the model dtype everywhere (fp32 here), one micro-step, 800 / 200 Gbit/s.
+    seen.clear()
+    resolve_layout(make({"param_shard_size": "auto", "memory_budget_gb": 50}), 8, 4, num_parameters=PSI)
+    assert {k: seen[k] for k in ("param_bytes", "grad_accum_bytes", "grad_comm_bytes", "grad_accum_steps",
+                                 "intra_bw_bytes_s", "inter_bw_bytes_s")} == \
+        {"param_bytes": 4, "grad_accum_bytes": 4, "grad_comm_bytes": 4, "grad_accum_steps": 1,
+         "intra_bw_bytes_s": 100e9, "inter_bw_bytes_s": 25e9}
 
 
 def test_log_layout_flag_reaches_the_layout():
     assert resolve_layout(make(), 8, 4).log_layout is True
     assert resolve_layout(make({"log_layout": False, "param_shard_size": 2}), 8, 4).log_layout is False
+
+
+def test_config_and_planner_start_without_deepspeed():
+    """asynchzp-plan and config validation must not pay for (or depend on) DeepSpeed or the runtime."""
+    code = ("import sys, ds_asynchzp.planner.cli, ds_asynchzp.config, ds_asynchzp.schema, "
+            "ds_asynchzp.accounting.sizing, ds_asynchzp.accounting.traffic\n"
+            "assert 'deepspeed' not in sys.modules, sorted(m for m in sys.modules if 'deepspeed' in m)\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[:2] in (['ds_asynchzp', 'runtime'], "
+            "['ds_asynchzp', 'state'], ['ds_asynchzp', 'comm']))\n"
+            "assert not bad, bad\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 # ---------------------------------------------------------------- absent / disabled
@@ -259,49 +430,98 @@ def test_invalid_json_file(tmp_path):
 
 
 def test_sizing_worked_example():
-    # Ψ = 1e9, world 8, params/grads over 4 ranks, optimizer over 8, bf16 + fp32 Adam.
+    # Ψ = 1e9, world 8, params over 4 ranks, grads over 4, optimizer over 8, bf16 params and accumulation.
     got = sizing.model_state_bytes_per_rank(PSI, world=8, d_p=4, d_g=4, d_o=8)
     assert got == {
-        "param_shard": 500_000_000,  # 2 B * 1e9 / 4
-        "param_primary": 250_000_000,  # 2 B * 1e9 / 8
-        "grad_shard": 1_000_000_000,  # 4 B * 1e9 / 4
-        "grad_primary": 500_000_000,  # 4 B * 1e9 / 8
+        "param_shard": 500_000_000,  # 2 B * 1e9 / 4 (DeepSpeed's partition is its own row: no extra copy)
+        "grad_shard": 500_000_000,  # 2 B * 1e9 / 4 (DeepSpeed's gradient partition is its own row)
         "master": 500_000_000,  # 4 B * 1e9 / 8
         "optimizer_state": 1_000_000_000,  # 8 B * 1e9 / 8
-        "total": 3_750_000_000,
+        "total": 2_500_000_000,
     }
-    assert sizing.model_state_bytes_per_rank(PSI, 8, 1, 1, 8)["total"] == 8_250_000_000
-    assert sizing.model_state_bytes_per_rank(PSI, 8, 2, 2, 8)["total"] == 5_250_000_000
+    # Frozen parameters count in the parameter shard only; fp32 accumulation doubles the gradient shard.
+    mixed = sizing.model_state_bytes_per_rank(PSI, 8, 2, 4, 4, grad_accum_bytes=4, num_trainable=800_000_000)
+    assert mixed == {"param_shard": 1_000_000_000, "grad_shard": 800_000_000, "master": 800_000_000,
+                     "optimizer_state": 1_600_000_000, "total": 4_200_000_000}
+    # Stock ZeRO-3 is the layout d_p = d_g = d_o = world: 16 bytes per parameter over the world.
+    assert sizing.model_state_bytes_per_rank(PSI, 8, 8, 8, 8)["total"] == 16 * PSI // 8
+    with pytest.raises(ValueError, match="num_trainable"):
+        sizing.model_state_bytes_per_rank(10, 8, 1, 1, 8, num_trainable=11)
 
 
-def test_choose_shard_sizes_picks_smallest_fitting_group():
-    assert sizing.choose_shard_sizes(PSI, 8, 4, 9e9) == (1, 1, 8)
-    assert sizing.choose_shard_sizes(PSI, 8, 4, 8_249_999_999) == (2, 2, 8)
-    assert sizing.choose_shard_sizes(PSI, 8, 4, 3_750_000_000) == (4, 4, 8)
+def test_valid_layouts_follow_the_rules():
+    layouts = sizing.valid_layouts(8, 4)
+    assert len(layouts) == 19
+    for d_p, d_g, d_o in layouts:
+        assert 4 % d_p == 0 and d_g % d_p == 0 and d_o % d_g == 0 and 8 % d_o == 0
+        assert 4 % d_g == 0 or d_g % 4 == 0
+    assert (4, 8, 8) in layouts and (1, 1, 1) in layouts and (8, 8, 8) not in layouts
+    # d_g = 6 in nodes of 4 spans one and a half nodes: never offered.
+    assert all(d_g != 6 for _, d_g, _ in sizing.valid_layouts(12, 4))
+    assert (2, 2, 6) in sizing.valid_layouts(12, 4)
+
+
+def test_auto_cost_table():
+    """The numbers behind the "auto" cases above, by hand (Ψ = 1e9 bf16, A = 1, 100 / 25 GB/s):
+    (1,4,4): intra = grad RS 2Ψ·3/4 + refresh 2Ψ·3/4 = 3Ψ, inter = all-reduce 2·2Ψ/4·1/2 = 0.5Ψ -> 0.05 s;
+    (4,4,8): intra = gather 4Ψ·3/4 + RS 1.5Ψ = 4.5Ψ, inter = boundary 2Ψ/4·1/2 + refresh 2Ψ/4·1/2 -> 0.065 s."""
+    kw = dict(param_bytes=2, grad_comm_bytes=2, grad_accum_steps=1, intra_bw_bytes_s=100e9, inter_bw_bytes_s=25e9)
+    seconds, moved = sizing.comm_seconds_per_step(PSI, 8, 4, 1, 4, 4, **kw)
+    assert moved["intra_node"] == pytest.approx(3 * PSI) and moved["inter_node"] == pytest.approx(0.5 * PSI)
+    assert seconds == pytest.approx(0.05)
+    seconds, moved = sizing.comm_seconds_per_step(PSI, 8, 4, 4, 4, 8, **kw)
+    assert moved["intra_node"] == pytest.approx(4.5 * PSI) and moved["inter_node"] == pytest.approx(0.5 * PSI)
+    assert seconds == pytest.approx(0.065)
+
+
+def test_choose_layout_picks_the_cheapest_fitting_layout():
+    kw = dict(param_bytes=2, grad_accum_bytes=2, grad_comm_bytes=2, grad_accum_steps=1, intra_bw_bytes_s=100e9,
+              inter_bw_bytes_s=25e9)
+    for budget in (2.3e9, 3e9, 4.4e9, 6e9, 20e9):
+        *chosen, reason = sizing.choose_layout(PSI, 8, 4, budget, **kw)
+        # Brute force over every valid layout: fits, then least time, then least memory.
+        best = min((round(sizing.comm_seconds_per_step(PSI, 8, 4, *lay, **{k: v for k, v in kw.items()
+                                                                         if k != "grad_accum_bytes"})[0], 9),
+                    sizing.model_state_bytes_per_rank(PSI, 8, *lay)["total"], lay)
+                   for lay in sizing.valid_layouts(8, 4)
+                   if sizing.model_state_bytes_per_rank(PSI, 8, *lay)["total"] <= budget)
+        assert tuple(chosen) == best[2], budget
+        assert f"d_p={best[2][0]}, d_g={best[2][1]}, d_o={best[2][2]}" in reason
+    assert tuple(sizing.choose_layout(PSI, 8, 4, 20e9, fixed={"optimizer_shard_size": 8}, **kw)[:3]) == (4, 4, 8)
+    with pytest.raises(ValueError, match="fixed may only hold"):
+        sizing.choose_layout(PSI, 8, 4, 20e9, fixed={"d_p": 2}, **kw)
+
+
+def test_choose_layout_reports_the_bytes_needed_when_nothing_fits():
     with pytest.raises(AsyncHZPConfigError, match="async_hzp.memory_budget_gb") as info:
-        sizing.choose_shard_sizes(PSI, 8, 4, 3_749_999_999)
-    assert "3750000000 bytes" in str(info.value)
+        sizing.choose_layout(PSI, 8, 4, 2_249_999_999)
+    # The smallest-memory layout (4, 8, 8): 2/4 + 2/8 + 12/8 bytes per parameter.
+    assert "2250000000 bytes" in str(info.value) and "d_p=4, d_g=8, d_o=8" in str(info.value)
     # The suggested budget is rounded up, so following the advice works.
-    assert "at least 3.50" in str(info.value)
-    assert sizing.choose_shard_sizes(PSI, 8, 4, 3.50 * GIB) == (4, 4, 8)
+    assert "at least 2.10" in str(info.value)
+    assert sizing.choose_layout(PSI, 8, 4, 2.10 * GIB)[:3] == (4, 8, 8)
+    assert sizing.smallest_memory_layout(PSI, 8, 4, fixed={"optimizer_shard_size": 4}) == (4, 4, 4, 4_000_000_000)
 
 
 def test_sizing_helpers():
     assert sizing.divisors(12) == [1, 2, 3, 4, 6, 12]
     assert sizing.divisors(1) == [1]
-    assert sizing.padded_num_params([10, 8, 1], world=4) == 12 + 8 + 4
+    assert sizing.padded_num_params([10, 8, 1], multiple=4) == 12 + 8 + 4
+    assert sizing.padded_num_params([10, 8, 1], 2) == 10 + 8 + 2
     assert sizing.default_budget_bytes(node_size=4) > 0
 
 
-def test_auto_accounts_for_the_parameter_dtype():
-    """fp32 parameters take twice the bytes of bf16 ones, so the same budget needs a larger shard group."""
-    from ds_asynchzp import sizing
-
-    psi, world, node = 10**9, 8, 4
-    bf16_total = sizing.model_state_bytes_per_rank(psi, world, 1, 1, world, param_bytes=2)["total"]
-    budget_gb = bf16_total * 1.01 / sizing.BYTES_PER_GB
-    bf16 = make({"param_shard_size": "auto", "grad_shard_size": "auto", "memory_budget_gb": budget_gb})
-    bf16["bf16"] = {"enabled": True}
-    fp32 = make({"param_shard_size": "auto", "grad_shard_size": "auto", "memory_budget_gb": budget_gb})
-    assert resolve_layout(bf16, world, node, num_parameters=psi).param_shard_size == 1
-    assert resolve_layout(fp32, world, node, num_parameters=psi).param_shard_size > 1
+def test_auto_accounts_for_the_parameter_and_accumulation_dtypes():
+    """fp32 parameters, or fp32 gradient accumulation under bf16, take more bytes: the same budget then needs
+    another layout. 5.2 GiB ~ 5.58e9 fits bf16's (1,4,4) (5.5e9) but not with fp32 accumulation (6.0e9)."""
+    hzp = {"param_shard_size": "auto", "optimizer_shard_size": "auto", "memory_budget_gb": 5.2}
+    bf16 = resolve_layout(make(hzp, bf16={"enabled": True}), 8, 4, num_parameters=PSI)
+    fp32 = resolve_layout(make(hzp), 8, 4, num_parameters=PSI)
+    fp32_accum = resolve_layout(make(hzp, bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"}), 8, 4,
+                                num_parameters=PSI)
+    assert (bf16.param_shard_size, bf16.grad_shard_size, bf16.optimizer_shard_size) == (1, 4, 4)
+    for other, b, a in ((fp32, 4, 4), (fp32_accum, 2, 4)):
+        chosen = (other.param_shard_size, other.grad_shard_size, other.optimizer_shard_size)
+        assert chosen != (1, 4, 4)
+        assert sizing.model_state_bytes_per_rank(PSI, 8, *chosen, param_bytes=b, grad_accum_bytes=a)["total"] \
+            <= 5.2 * GIB

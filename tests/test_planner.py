@@ -1,14 +1,18 @@
-"""``asynchzp-plan`` (ds_asynchzp.planner, ds_asynchzp.plan_cli): unit parsing, the planned numbers against the
-traffic formulas and the memory model, the "auto" pick, and ``--check`` against a results.json. No ranks."""
+"""``asynchzp-plan`` (ds_asynchzp.planner, ds_asynchzp.planner.cli): unit parsing, the traffic formulas by hand,
+the planned numbers against the traffic formulas and the memory model, the "auto" pick, and ``--check`` against a
+results.json. No ranks."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import pytest
 
-from ds_asynchzp import plan_cli, planner, sizing, traffic
+from ds_asynchzp import planner
+from ds_asynchzp.accounting import sizing, traffic
+from ds_asynchzp.planner import cli as plan_cli
 
 GIB = 2**30
 # The reference example: 70B params, 1024 ranks in nodes of 16, 400 GB/s intra, 200 Gbit/s inter, 64 GB devices.
@@ -99,17 +103,92 @@ def test_cli_reads_a_model_json(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["inputs"]["params"] == 2 * 12 * 64**2 + 256 * 64
 
 
+# ------------------------------------------------------------------------------- traffic by hand
+# N = 8 ranks in nodes of G = 4, A = 2 micro-steps, b = 2, b_c = 4 (different, so a swapped dtype shows).
+SMALL = traffic.TrafficInputs(world=8, node_size=4, grad_accum=2, gathered_elements=1200, reduced_elements=1000,
+                              trainable_elements=1100, param_bytes=2, grad_comm_bytes=4, persistent_elements=40)
+
+
+def test_asynchzp_flows_by_hand_optimizer_inside_the_node():
+    """d_p=2, d_g=4, d_o=4: T_p=2, T_g=1, R_o=2. Every flow stays in the node except the replicas' all-reduce
+    ({q, q+4}), and there is no boundary exchange (T_g = 1)."""
+    got = traffic.asynchzp_bytes(SMALL, 2, 4, 4)
+    expected = {
+        "param_gather": (2 * 2 * 2 * 1200 * 1 / 2, 0),      # A·2·b·P_g·(d_p-1)/d_p, group {0,1}
+        "grad_reduce_scatter": (2 * 4 * 1000 * 3 / 4, 0),   # A·b_c·P_r·(d_g-1)/d_g, group {0..3}
+        "boundary_grad": (0, 0),                            # T_g = 1
+        "boundary_allreduce": (0, 2 * 4 * 1100 / 4 * 1 / 2),  # 2·b_c·P_t/d_o·(R_o-1)/R_o, {q, q+4}
+        "param_refresh": (2 * 1100 / 2 * 1 / 2, 0),         # b·P_t/d_p·(T_p-1)/T_p, {0,2} {1,3} {4,6} {5,7}
+        "persistent_regather": (2 * 40 * 1 / 2, 0),         # b·P_persist·(d_p-1)/d_p
+    }
+    for flow, (intra, inter) in expected.items():
+        assert got["by_flow"][flow] == {"intra_node": pytest.approx(intra), "inter_node": pytest.approx(inter)}, flow
+    assert got["intra_node"] == pytest.approx(4800 + 6000 + 550 + 40)
+    assert got["inter_node"] == pytest.approx(1100)
+    # gloo's ring all-reduce over {q, q+4}: both ring edges cross, so every byte of it is on a link.
+    assert traffic.link_bytes("asynchzp", SMALL, 2, 4, 4) == pytest.approx(1100)
+
+
+def test_asynchzp_flows_by_hand_optimizer_over_the_world():
+    """d_p=2, d_g=4, d_o=8: T_p=4, T_g=2, R_o=1. The boundary exchange ({i, i+4}) and the refresh
+    ({j, j+2, j+4, j+6}) cross nodes; no all-reduce."""
+    got = traffic.asynchzp_bytes(SMALL, 2, 4, 8)
+    flows = got["by_flow"]
+    assert flows["boundary_grad"] == {"intra_node": 0, "inter_node": pytest.approx(4 * 1100 / 4 * 1 / 2)}
+    assert flows["boundary_allreduce"] == {"intra_node": 0, "inter_node": 0}
+    assert flows["param_refresh"] == {"intra_node": 0, "inter_node": pytest.approx(2 * 1100 / 2 * 3 / 4)}
+    assert got["intra_node"] == pytest.approx(4800 + 6000 + 40)
+    assert got["inter_node"] == pytest.approx(550 + 825)
+    # Links: the pairwise exchange sends S/T_g = 550 to the one member on the other node; the refresh ring
+    # 0-2-4-6 has 2 of 4 edges between nodes, so half its 825 bytes go over a link.
+    assert traffic.link_bytes("asynchzp", SMALL, 2, 4, 8) == pytest.approx(550 + 825 / 2)
+    # An arm name with overrides is the same formula.
+    assert traffic.link_bytes("asynchzp:optimizer_shard_size=8", SMALL, 2, 4, 8) == pytest.approx(962.5)
+
+
+def test_asynchzp_grad_group_spanning_nodes_and_defaults():
+    """d_g = 8 spans both nodes: the per-micro-step reduce-scatter is inter-node, and gloo runs it as an
+    all-reduce (two passes) of which 2 of 8 ring edges cross nodes."""
+    got = traffic.asynchzp_bytes(SMALL, 2, 8, 8)
+    assert got["by_flow"]["grad_reduce_scatter"] == {"intra_node": 0, "inter_node": pytest.approx(2 * 4 * 1000 * 7 / 8)}
+    assert traffic.link_bytes("asynchzp", SMALL, 2, 8, 8) == pytest.approx(2 * 7000 * 2 / 8 + 825 / 2)
+    # d_o defaults to the world; one node has no inter-node flow at all.
+    assert traffic.asynchzp_bytes(SMALL, 2, 4) == traffic.asynchzp_bytes(SMALL, 2, 4, 8)
+    one_node = dataclasses.replace(SMALL, node_size=8)
+    assert traffic.asynchzp_bytes(one_node, 2, 4, 8)["inter_node"] == 0
+    assert traffic.link_bytes("asynchzp", one_node, 2, 4, 8) == 0
+    with pytest.raises(ValueError, match="invalid layout"):
+        traffic.asynchzp_bytes(SMALL, 4, 2, 8)
+
+
+def test_optimizer_groups_not_aligned_with_nodes_split_by_rank_share():
+    """N=12 in nodes of 4 with d_o=3: of the blocks {0,1,2} {3,4,5} {6,7,8} {9,10,11}, the middle two span
+    nodes, so half of the boundary exchange's bytes count as inter-node."""
+    t = traffic.TrafficInputs(world=12, node_size=4, grad_accum=1, gathered_elements=300, reduced_elements=300,
+                              trainable_elements=300, param_bytes=2, grad_comm_bytes=2)
+    flow = traffic.asynchzp_bytes(t, 1, 1, 3)["by_flow"]["boundary_grad"]
+    assert flow["intra_node"] == pytest.approx(flow["inter_node"]) == pytest.approx(2 * 300 * 2 / 3 / 2)
+
+
+def test_no_point_to_point_flows_remain():
+    assert set(traffic.asynchzp_bytes(SMALL, 2, 4, 8)["by_flow"]) == {
+        "param_gather", "grad_reduce_scatter", "boundary_grad", "boundary_allreduce", "param_refresh",
+        "persistent_regather"}
+    assert not hasattr(traffic, "permutation_fractions")
+
+
 # ------------------------------------------------------------------------------------ planned traffic
 def test_asynchzp_crosses_nodes_far_less_than_zero3_whatever_the_accumulation():
-    plans = {gas: _plan(grad_accum=gas) for gas in (1, 8, 32)}
+    plans = {gas: _plan(grad_accum=gas, param_shard_size=16, optimizer_shard_size=1024) for gas in (1, 8, 32)}
     inter = {gas: {arm: p["arms"][arm]["bytes_per_step"]["inter_node"] for arm in planner.ARMS}
              for gas, p in plans.items()}
     assert inter[1]["asynchzp"] == inter[8]["asynchzp"] == inter[32]["asynchzp"]
     assert inter[32]["zero3"] == pytest.approx(32 * inter[1]["zero3"])
     assert inter[8]["asynchzp"] < 0.01 * inter[8]["zero3"]
-    # About (4 + b)·Ψ/G (docs/ARCHITECTURE.md), against ZeRO-3's A·(2b + b_c)·Ψ.
-    assert inter[8]["asynchzp"] == pytest.approx(6 * 70e9 / 16, rel=0.02)
-    assert plans[8]["layout"] == {"d_p": 16, "d_g": 16, "d_o": 1024, "source": "auto"}
+    # (b_c + b)·Ψ/G·(1 - G/N) (docs/ARCHITECTURE.md), against ZeRO-3's A·(2b + b_c)·Ψ·(N-1)/N.
+    assert inter[8]["asynchzp"] == pytest.approx(4 * 70e9 / 16 * (1 - 16 / 1024))
+    layout = plans[8]["layout"]
+    assert (layout["d_p"], layout["d_g"], layout["d_o"], layout["source"]) == (16, 16, 1024, "given")
     times = plans[8]["arms"]["asynchzp"]["comm_time_s"]
     moved = plans[8]["arms"]["asynchzp"]["bytes_per_step"]
     assert times["total"] == pytest.approx(moved["intra_node"] / 400e9 + moved["inter_node"] / 25e9)
@@ -126,63 +205,106 @@ def test_zeropp_crosses_nodes_a_quarter_of_zero3_per_micro_step():
 
 
 def test_quantized_asynchzp_shrinks_only_the_micro_step_traffic():
-    arms, padded, gas, g = _plan()["arms"], 70 * 10**9, 8, 16
+    plan = _plan()
+    arms, padded, gas, g = plan["arms"], 70 * 10**9, 8, 16
+    assert (plan["layout"]["d_p"], plan["layout"]["d_g"]) == (16, 16)
     plain, quantized = arms["asynchzp"]["bytes_per_step"], arms["asynchzp-q"]["bytes_per_step"]
     assert quantized["inter_node"] == pytest.approx(plain["inter_node"])
     saved = gas * ((2 * 2 + 2) - (2 * planner.INT8_BYTES + planner.INT4_BYTES)) * padded * (g - 1) / g
     assert plain["intra_node"] - quantized["intra_node"] == pytest.approx(saved)
+    for flow in ("boundary_grad", "boundary_allreduce", "param_refresh"):
+        assert quantized["by_flow"][flow] == plain["by_flow"][flow]
 
 
 def test_arms_reuse_the_traffic_module():
+    plan = _plan()
+    d_o = plan["layout"]["d_o"]
     t = planner.traffic_inputs(70 * 10**9, 1024, 16, 8, "bf16")
-    arms = _plan()["arms"]
+    arms = plan["arms"]
     assert arms["zero3"]["bytes_per_step"] == traffic.zero3_bytes(t)
     assert arms["hpz"]["bytes_per_step"] == traffic.hpz_bytes(t)
-    assert arms["asynchzp"]["bytes_per_step"] == traffic.asynchzp_bytes(t, 16, 16)
+    t_o = planner.traffic_inputs(70 * 10**9, 1024, 16, 8, "bf16", multiple=d_o)
+    assert arms["asynchzp"]["bytes_per_step"] == traffic.asynchzp_bytes(t_o, 16, 16, d_o)
+
+
+def test_asynchzp_arm_pads_to_the_optimizer_group():
+    # 1000 elements over 64 ranks pad to 1024, over an optimizer group of 8 to 1000.
+    plan = planner.plan(1000, 64, 8, param_shard_size=8, grad_shard_size=8, optimizer_shard_size=8,
+                        memory_budget=GIB, intra_bw=1e9, inter_bw=1e9)
+    assert plan["arms"]["zero3"]["model_state_bytes"]["param_shard"] == 2 * 1024 // 64
+    assert plan["arms"]["asynchzp"]["model_state_bytes"] == sizing.model_state_bytes_per_rank(1000, 64, 8, 8, 8)
 
 
 # ----------------------------------------------------------------------------------- memory and auto
 @pytest.mark.parametrize("case", [
     dict(), dict(device_memory=120 * GIB), dict(num_params=7 * 10**9, world=64, node_size=8, device_memory=80 * GIB),
     dict(num_params=13 * 10**9 + 7, world=48, node_size=8, dtype="fp32", device_memory=80 * GIB),
+    dict(grad_accum=1, inter_bw=400e9),
 ])
-def test_auto_is_what_choose_shard_sizes_picks(case):
+def test_auto_is_what_choose_layout_picks(case):
     result = _plan(**case)
     inp = result["inputs"]
     budget = inp["device_memory_bytes"] * sizing.DEFAULT_BUDGET_FRACTION
-    expected = sizing.choose_shard_sizes(inp["padded_params"], inp["world"], inp["node_size"], budget,
-                                         param_bytes=inp["param_bytes"])
-    assert (result["auto"]["d_p"], result["auto"]["d_g"], result["auto"]["d_o"]) == expected
-    assert (result["layout"]["d_p"], result["layout"]["d_g"]) == expected[:2]
+    *expected, reason = sizing.choose_layout(
+        inp["padded_params"], inp["world"], inp["node_size"], budget, param_bytes=inp["param_bytes"],
+        grad_accum_bytes=inp["grad_accum_bytes"], grad_comm_bytes=inp["grad_comm_bytes"],
+        grad_accum_steps=inp["grad_accum"], intra_bw_bytes_s=inp["intra_bw_bytes_per_s"],
+        inter_bw_bytes_s=inp["inter_bw_bytes_per_s"])
+    assert [result["auto"][k] for k in ("d_p", "d_g", "d_o")] == expected
+    assert result["auto"]["reason"] == reason
+    assert [result["layout"][k] for k in ("d_p", "d_g", "d_o")] == expected and result["layout"]["source"] == "auto"
+
+
+def test_auto_with_fixed_sizes_constrains_the_search():
+    result = _plan(param_shard_size=8, grad_shard_size="auto", optimizer_shard_size="auto")
+    layout = result["layout"]
+    assert layout["d_p"] == 8 and layout["source"] == "auto with param_shard_size=8"
+    assert "d_p=8" in layout["reason"] and "of 36 valid layouts" in layout["reason"]
+    # The unconstrained pick is still reported.
+    assert result["auto"]["d_p"] == 16
 
 
 def test_explicit_budget_and_no_fit():
-    assert _plan(memory_budget=60 * GIB)["auto"]["d_p"] == 8
+    # 200 GiB fits replicating far more: the pick moves away from d_p = 16 and still fits.
+    roomy = _plan(memory_budget=200 * GIB)
+    assert roomy["auto"]["error"] is None and roomy["auto"]["d_p"] < 16
+    assert roomy["arms"]["asynchzp"]["model_state_bytes"]["total"] <= 200 * GIB
     tight = _plan(device_memory=8 * GIB)
     assert tight["auto"]["d_p"] is None and "memory_budget_gb" in tight["auto"]["error"]
-    assert tight["layout"]["d_p"] == 16 and tight["arms"]["asynchzp"]["fits_device_memory"] is False
+    # Planned with the smallest-memory layout, which the memory columns flag.
+    assert (tight["layout"]["d_p"], tight["layout"]["d_g"], tight["layout"]["d_o"]) == (16, 1024, 1024)
+    assert tight["arms"]["asynchzp"]["fits_device_memory"] is False
     assert tight["arms"]["zero3"]["fits_device_memory"] is True
 
 
 def test_memory_is_the_sizing_model():
     psi, world, node, b = 70 * 10**9, 1024, 16, 2
-    arms = _plan()["arms"]
-    assert arms["asynchzp"]["model_state_bytes"] == sizing.model_state_bytes_per_rank(psi, world, 16, 16, world, b)
+    arms = _plan(param_shard_size=16, optimizer_shard_size=1024)["arms"]
+    assert arms["asynchzp"]["model_state_bytes"] == sizing.model_state_bytes_per_rank(psi, world, 16, 16, world, b, b)
     assert arms["asynchzp-q"]["model_state_bytes"] == arms["asynchzp"]["model_state_bytes"]
-    full = sizing.model_state_bytes_per_rank(psi, world, world, world, world, b)
-    zero3 = sum(full[r] for r in ("param_primary", "grad_primary", "master", "optimizer_state"))
-    assert arms["zero3"]["model_state_bytes"]["total"] == zero3
-    assert arms["hpz"]["model_state_bytes"]["total"] == zero3 + b * psi // node
+    zero3 = sizing.model_state_bytes_per_rank(psi, world, world, world, world, b, b)
+    assert arms["zero3"]["model_state_bytes"] == zero3 and zero3["total"] == 16 * psi // world
+    assert arms["hpz"]["model_state_bytes"]["total"] == zero3["total"] + b * psi // node
     assert arms["zeropp"]["model_state_bytes"] == arms["hpz"]["model_state_bytes"]
+    # fp32 gradient accumulation doubles the gradient shard only.
+    fp32_accum = _plan(param_shard_size=16, optimizer_shard_size=1024, grad_accum_dtype="fp32")["arms"]["asynchzp"]
+    assert fp32_accum["model_state_bytes"]["grad_shard"] == 2 * arms["asynchzp"]["model_state_bytes"]["grad_shard"]
 
 
 def test_explicit_sizes_go_through_the_engine_layout_check(capsys):
-    assert _plan(param_shard_size=8, grad_shard_size=16)["layout"]["source"] == "given"
+    assert _plan(param_shard_size=8, grad_shard_size=16, optimizer_shard_size=1024)["layout"]["source"] == "given"
+    assert _plan(param_shard_size=8, grad_shard_size=16, optimizer_shard_size=64)["layout"]["d_o"] == 64
     base = ["--params", "70B", "--world", "1024", "--node-size", "16", "--intra-bw", "400GB/s",
-            "--inter-bw", "200Gbit"]
+            "--inter-bw", "200Gbit", "--device-memory", "64GB"]
     assert _exit_code([*base, "--param-shard-size", "3"]) == 2
     assert "param_shard_size" in capsys.readouterr().err
-    assert _exit_code([*base, "--param-shard-size", "8", "--grad-shard-size", "auto"]) == 2
+    assert _exit_code([*base, "--param-shard-size", "3", "--grad-shard-size", "auto"]) == 2
+    assert "param_shard_size" in capsys.readouterr().err
+    assert _exit_code([*base, "--optimizer-shard-size", "24"]) == 2
+    assert "optimizer_shard_size" in capsys.readouterr().err
+    assert _exit_code([*base, "--param-shard-size", "16", "--grad-shard-size", "32", "--optimizer-shard-size",
+                       "16"]) == 2
+    assert "optimizer_shard_size" in capsys.readouterr().err
     assert _exit_code(["--params", "70B"]) == 2
     assert "--world" in capsys.readouterr().err
 
@@ -192,28 +314,49 @@ def test_json_output_parses_and_the_table_lists_every_arm(capsys):
             "200Gbit", "--grad-accum", "8", "--device-memory", "64GB"]
     assert plan_cli.main([*argv, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert set(data["arms"]) == set(planner.ARMS) and data["auto"]["d_p"] == 16
+    assert set(data["arms"]) == set(planner.ARMS)
+    auto = data["auto"]
     assert data["inputs"]["inter_bw_bytes_per_s"] == 25e9 and data["inputs"]["device_memory_bytes"] == 64 * GIB
     assert plan_cli.main(argv) == 0
     table = capsys.readouterr().out
-    assert '"auto" picks' in table and "d_p=16 d_g=16 d_o=1024" in table
+    pick = f"d_p={auto['d_p']} d_g={auto['d_g']} d_o={auto['d_o']}"
+    assert f'"auto" would choose {pick}' in table and auto["reason"] in table
+    assert "valid layouts" in auto["reason"] and "s per optimizer step" in auto["reason"]
+    assert f"asynchzp arms use {pick} (auto)" in table
     assert all(f"\n{arm} " in table for arm in planner.ARMS)
 
 
 # ------------------------------------------------------------------------------------------ --check
 BENCH_CONFIG = {"nproc": 8, "world_size": 8, "node_size": 4, "grad_accum": 4, "dtype": "fp32", "model": "tiny",
                 "moe_experts": 0, "seq_len": 64, "arm_overrides": {"asynchzp": {"async_hzp": {"node_size": 4}}}}
+O4_ARM = "asynchzp:param_shard_size=2:grad_shard_size=4:optimizer_shard_size=4"
+O4_LAYOUT = {"world_size": 8, "node_size": 4, "num_nodes": 2, "param_shard_size": 2, "grad_shard_size": 4,
+             "optimizer_shard_size": 4, "auto_reason": None}
 
 
-def _synthetic_results(elements: dict, with_elements: bool) -> dict:
-    t = traffic.TrafficInputs(world=8, node_size=4, grad_accum=4, gathered_elements=elements["gathered"],
-                              reduced_elements=elements["reduced"], trainable_elements=elements["trainable"])
-    arms = {"zero3": traffic.zero3_bytes(t), "hpz": traffic.hpz_bytes(t), "asynchzp": traffic.asynchzp_bytes(t, 4, 4)}
-    results = {"config": copy.deepcopy(BENCH_CONFIG),
-               "arms": {arm: {"bytes_per_step": dict(b)} for arm, b in arms.items()}}
+def _inputs(elements: dict) -> traffic.TrafficInputs:
+    return traffic.TrafficInputs(world=8, node_size=4, grad_accum=4, gathered_elements=elements["gathered"],
+                                 reduced_elements=elements["reduced"], trainable_elements=elements["trainable"])
+
+
+def _synthetic_results(elements: dict, with_elements: bool, o4_elements: dict | None = None) -> dict:
+    """zero3, hpz, asynchzp (no layout recorded: the defaults) and an overridden asynchzp arm with d_o = 4,
+    whose elements are padded to 4 (``o4_elements``; recorded in its entry when ``with_elements``)."""
+    t = _inputs(elements)
+    o4_elements = o4_elements or elements
+    arms = {"zero3": traffic.zero3_bytes(t), "hpz": traffic.hpz_bytes(t), "asynchzp": traffic.asynchzp_bytes(t, 4, 4),
+            O4_ARM: traffic.asynchzp_bytes(_inputs(o4_elements), 2, 4, 4)}
+    config = copy.deepcopy(BENCH_CONFIG)
+    config["arm_overrides"][O4_ARM] = {"async_hzp": {"node_size": 4, "param_shard_size": 2, "grad_shard_size": 4,
+                                                     "optimizer_shard_size": 4}}
+    results = {"config": config,
+               "arms": {arm: {"bytes_per_step": {k: b[k] for k in ("intra_node", "inter_node")}}
+                        for arm, b in arms.items()}}
+    results["arms"][O4_ARM]["layout"] = dict(O4_LAYOUT)
     results["arms"]["mystery"] = {"bytes_per_step": {"intra_node": 1.0, "inter_node": 1.0}}
     if with_elements:
         results["config"]["elements"] = dict(elements)
+        results["arms"][O4_ARM]["elements"] = dict(o4_elements)
     return results
 
 
@@ -232,19 +375,55 @@ def test_bench_element_counts_match_the_ledger_tests():
     expected = _element_counts(build_model("tiny"), 8)
     assert counts == {k: expected[k] for k in ("gathered", "reduced", "trainable")}
     assert counts["gathered"] > counts["trainable"] > counts["reduced"]  # tied weight twice; unused param
+    by_group = planner.bench_element_counts(BENCH_CONFIG, 4)
+    expected = _element_counts(build_model("tiny"), 4)
+    assert by_group == {k: expected[k] for k in ("gathered", "reduced", "trainable")}
+    assert all(by_group[k] <= counts[k] for k in counts)
 
 
 @pytest.mark.parametrize("with_elements", [True, False])
 def test_check_passes_on_formula_bytes_and_fails_ten_percent_off(tmp_path, capsys, with_elements):
-    elements = {"gathered": 123_456, "reduced": 100_000, "trainable": 101_000} if with_elements else \
-        planner.bench_element_counts(BENCH_CONFIG)
-    results = _synthetic_results(elements, with_elements)
+    if with_elements:
+        elements = {"gathered": 123_456, "reduced": 100_000, "trainable": 101_000}
+        o4 = {"gathered": 123_452, "reduced": 99_996, "trainable": 100_996}
+    else:
+        elements, o4 = planner.bench_element_counts(BENCH_CONFIG), planner.bench_element_counts(BENCH_CONFIG, 4)
+    results = _synthetic_results(elements, with_elements, o4)
     code, out = _check(tmp_path, results, capsys)
     assert code == 0, out
     assert "PASS" in out and "'mystery'" in out
-    results["arms"]["asynchzp"]["bytes_per_step"]["inter_node"] *= 1.10
-    code, out = _check(tmp_path, results, capsys)
-    assert code == 1 and "MISMATCH" in out and "FAIL" in out
+    assert f"{O4_ARM}: d_p=2 d_g=4 d_o=4" in out and "asynchzp: d_p=4 d_g=4 d_o=8" in out
+    report = planner.check_results(results)
+    assert report["asynchzp_layouts"] == {"asynchzp": {"d_p": 4, "d_g": 4, "d_o": 8},
+                                          O4_ARM: {"d_p": 2, "d_g": 4, "d_o": 4}}
+    assert {r["arm"] for r in report["rows"]} == {"zero3", "hpz", "asynchzp", O4_ARM}
+    for arm in ("asynchzp", O4_ARM):
+        off = copy.deepcopy(results)
+        off["arms"][arm]["bytes_per_step"]["inter_node"] *= 1.10
+        code, out = _check(tmp_path, off, capsys)
+        assert code == 1 and "MISMATCH" in out and "FAIL" in out
+    # Within the 5 % tolerance still passes.
+    near = copy.deepcopy(results)
+    near["arms"][O4_ARM]["bytes_per_step"]["intra_node"] *= 1.04
+    assert _check(tmp_path, near, capsys)[0] == 0
+
+
+def test_check_reads_each_asynchzp_arm_layout():
+    results = _synthetic_results({"gathered": 1000, "reduced": 800, "trainable": 900}, with_elements=True)
+    # Recorded layout first; then the arm's integer overrides; then d_p = d_g = node size, d_o = world.
+    assert planner.asynchzp_sizes(results, O4_ARM, 4, 8) == (2, 4, 4)
+    del results["arms"][O4_ARM]["layout"]
+    assert planner.asynchzp_sizes(results, O4_ARM, 4, 8) == (2, 4, 4)
+    del results["config"]["arm_overrides"][O4_ARM]
+    assert planner.asynchzp_sizes(results, O4_ARM, 4, 8) == (4, 4, 8)
+    results["config"]["arm_overrides"]["asynchzp:optimizer_shard_size=auto"] = {
+        "async_hzp": {"optimizer_shard_size": "auto"}}
+    with pytest.raises(ValueError, match="auto"):
+        planner.asynchzp_sizes(results, "asynchzp:optimizer_shard_size=auto", 4, 8)
+    # An "auto" arm whose entry records the resolved layout is fine.
+    results["arms"]["asynchzp:optimizer_shard_size=auto"] = {"layout": {"param_shard_size": 4, "grad_shard_size": 4,
+                                                                        "optimizer_shard_size": 4}}
+    assert planner.asynchzp_sizes(results, "asynchzp:optimizer_shard_size=auto", 4, 8) == (4, 4, 4)
 
 
 def test_check_zero_prediction_and_wire_bytes(tmp_path, capsys):
@@ -262,9 +441,16 @@ def test_check_zero_prediction_and_wire_bytes(tmp_path, capsys):
     assert link < zero3["bytes_per_step"]["inter_node"]
     zero3["wire_bytes_inter_node_per_step"] = link * planner.WIRE_OVERHEAD_FACTOR
     zero3["link_bytes_inter_node_per_step"] = link
+    # The overridden asynchzp arm's link bytes, with its own layout.
+    o4 = results["arms"][O4_ARM]
+    o4["link_bytes_inter_node_per_step"] = planner.traffic.link_bytes(O4_ARM, t, 2, 4, 4)
     assert _check(tmp_path, results, capsys)[0] == 0
     report = planner.check_results(results)
     assert any(r["quantity"] == "inter_node_wire" and r["ok"] for r in report["rows"])
+    assert any(r["arm"] == O4_ARM and r["quantity"] == "inter_node_link" and r["ok"] for r in report["rows"])
+    o4["link_bytes_inter_node_per_step"] *= 1.10
+    assert _check(tmp_path, results, capsys)[0] == 1
+    o4["link_bytes_inter_node_per_step"] /= 1.10
     zero3["wire_bytes_inter_node_per_step"] *= 1.10
     assert _check(tmp_path, results, capsys)[0] == 1
     zero3["wire_bytes_inter_node_per_step"] /= 1.10

@@ -1,15 +1,18 @@
 """Analytic bytes per optimizer step, per rank, intra- vs inter-node, for each arm.
 
-Same ring model as the communication ledger (all-gather / reduce-scatter of a total S over n ranks sends
-(n-1)/n * S per rank; all-reduce twice that; point-to-point S, by the sender). A group counts as
-inter-node when it spans more than one node. Symbols (docs/ARCHITECTURE.md, "Traffic"):
+Same ring model as the communication ledger: an all-gather, reduce-scatter or pairwise exchange (all-to-all)
+of a total S over n ranks sends (n-1)/n * S per rank; an all-reduce twice that. A collective is inter-node
+when its group spans more than one node (rank r lives on node r // G). Symbols (docs/ARCHITECTURE.md,
+"Traffic"):
 
-    N world, G ranks per node, A micro-steps per optimizer step, k_p / k_g param / grad shard sizes
+    N world, G ranks per node, A micro-steps per optimizer step, d_p | d_g | d_o | N the shard sizes
+    T_p = d_o/d_p, T_g = d_o/d_g, R_o = N/d_o
     b  bytes of a parameter element, b_c bytes of a gradient element on the wire (communication dtype)
-    P_g  padded elements gathered per pass: each module's own parameters, padded to a multiple of N (ZeRO-3
-         fetches them when the module runs, so a weight shared by two modules counts twice)
+    P_g  padded elements gathered per pass: each module's own parameters (ZeRO-3 fetches them when the module
+         runs, so a weight shared by two modules counts twice)
     P_r  padded elements reduced per micro-step (parameters that receive a gradient)
     P_t  padded trainable elements (the optimizer's partitions; includes parameters without a gradient)
+    Padding is per parameter, to a multiple of N for ZeRO-3 and hpZ, of d_o for AsyncHZP (its partition group).
 
 ZeRO-3 with persistence thresholds 0 gathers each parameter once in forward and once in backward:
     inter = A * (2 * b * P_g + b_c * P_r) * (N-1)/N                                    intra = 0
@@ -17,21 +20,27 @@ ZeRO++ hpZ (secondary group G): the step drops the secondary shards of trainable
 gather of each after a step goes over the world; every other gather (a tied weight's second use, frozen
 parameters, backward) uses the intra-node secondary:
     inter = (b * P_t + A * b_c * P_r) * (N-1)/N        intra = (2A * P_g - P_t) * b * (G-1)/G
-AsyncHZP (m_x = N / k_x replicas):
-    intra = A * (2 * b * P_g * (k_p-1)/k_p + b_c * P_r * (k_g-1)/k_g)
-    inter = 4 * P_t / k_g * (m_g-1)/m_g + f_g * 4 * P_t / N          (boundary gradient reduction)
-          + b * P_t / k_p * (m_p-1)/m_p + f_p * b * P_t / N          (parameter shard refresh)
-    where f_x is the fraction of ranks whose permutation peer sits on another node (exact, from the grid);
-    the fraction whose peer is on the same node sends its partition over intra-node links.
-Each arm also all-reduces a few scalars per step (gradient norm, overflow flag); they are below 0.01 % of any
-figure here and left out.
+AsyncHZP, one figure per flow (`asynchzp_flows`); no point-to-point permutation exists:
+    param_gather          A * 2 * b * P_g * (d_p-1)/d_p          d_p consecutive ranks, every micro-step
+    grad_reduce_scatter   A * b_c * P_r * (d_g-1)/d_g            d_g consecutive ranks, every micro-step
+    boundary_grad         b_c * P_t/d_g * (T_g-1)/T_g            {h*d_o + k*d_g + i : k}, once per step
+    boundary_allreduce    2 * b_c * P_t/d_o * (R_o-1)/R_o        {h*d_o + q : h}, once per step (0 if d_o = N)
+    param_refresh         b * P_t/d_p * (T_p-1)/T_p              {h*d_o + t*d_p + j : t}, once per step
+    persistent_regather   b * P_persist * (d_p-1)/d_p            d_p consecutive ranks, once per step
+Each flow's bytes count as inter-node for the ranks whose group spans nodes (for every valid layout either all
+groups of a kind span nodes or none do, except optimizer groups not aligned with nodes, where the split is the
+exact share of ranks). Each arm also all-reduces a few scalars per step (gradient norm, overflow flag); they
+are below 0.01 % of any figure here and left out.
+
+Pure arithmetic: nothing here imports torch, DeepSpeed or the runtime (the groups come from `ds_asynchzp.layout`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
-from .rank_grid import ShardLayout
+from ..layout import HierarchicalLayout
 
 
 @dataclass(frozen=True)
@@ -42,24 +51,14 @@ class TrafficInputs:
     gathered_elements: int       # P_g (per module use)
     reduced_elements: int        # P_r
     trainable_elements: int      # P_t
-    param_bytes: int = 4         # b
-    grad_comm_bytes: int = 4     # b_c
+    param_bytes: float = 4       # b
+    grad_comm_bytes: float = 4   # b_c
+    persistent_elements: int = 0  # P_persist: parameters kept gathered (ZeRO-3 persistence threshold), re-gathered once per step
 
 
-def permutation_fractions(layout: ShardLayout, node_size: int, inverse: bool = False) -> tuple:
-    """(intra, inter): fractions of ranks whose permutation send stays in / leaves the node.
-
-    A rank that keeps its own slice sends nothing and counts in neither.
-    """
-    intra = inter = 0
-    for rank in range(layout.world):
-        peer = layout.rank_holding_slice_role_of(rank) if inverse else layout.primary_slice_for(rank)
-        if peer != rank:
-            if peer // node_size == rank // node_size:
-                intra += 1
-            else:
-                inter += 1
-    return intra / layout.world, inter / layout.world
+#: The AsyncHZP flows, in the order of a step.
+FLOWS = ("param_gather", "grad_reduce_scatter", "boundary_grad", "boundary_allreduce", "param_refresh",
+         "persistent_regather")
 
 
 def _ring(n: int) -> float:
@@ -78,40 +77,81 @@ def hpz_bytes(t: TrafficInputs) -> dict:
     return _split(t, intra=intra, inter=inter)
 
 
-def asynchzp_bytes(t: TrafficInputs, param_shard_size: int, grad_shard_size: int) -> dict:
-    param_layout, grad_layout = ShardLayout(t.world, param_shard_size), ShardLayout(t.world, grad_shard_size)
-    gathers = t.grad_accum * 2 * t.param_bytes * t.gathered_elements * _ring(param_shard_size)
-    reduces = t.grad_accum * t.grad_comm_bytes * t.reduced_elements * _ring(grad_shard_size)
-    grad_intra, grad_inter = permutation_fractions(grad_layout, t.node_size)
-    param_intra, param_inter = permutation_fractions(param_layout, t.node_size, inverse=True)
-    grad_partition, param_partition = 4 * t.trainable_elements / t.world, t.param_bytes * t.trainable_elements / t.world
-    intra = grad_intra * grad_partition + param_intra * param_partition
-    inter = (4 * t.trainable_elements / grad_shard_size * _ring(grad_layout.replicas) + grad_inter * grad_partition
-             + t.param_bytes * t.trainable_elements / param_shard_size * _ring(param_layout.replicas)
-             + param_inter * param_partition)
-    # A shard group wider than a node carries its per-micro-step traffic over inter-node links.
-    if param_shard_size > t.node_size:
-        inter += gathers
-    else:
-        intra += gathers
-    if grad_shard_size > t.node_size:
-        inter += reduces
-    else:
-        intra += reduces
-    return _split(t, intra=intra, inter=inter)
-
-
 def _split(t: TrafficInputs, intra: float, inter: float) -> dict:
     if t.world <= t.node_size:  # one node: no group can span nodes
         return {"intra_node": intra + inter, "inter_node": 0.0}
     return {"intra_node": intra, "inter_node": inter}
 
 
+# ------------------------------------------------------------------------------------ AsyncHZP groups
+def _check_layout(n: int, g: int, d_p: int, d_g: int, d_o: int) -> None:
+    HierarchicalLayout(n, g, d_p, d_g, d_o)  # raises ValueError naming the sizes
+
+
+def flow_groups(flow: str, n: int, d_p: int, d_g: int, d_o: int) -> list[list[int]]:
+    """Every group of one flow (lists of ranks in ascending order, from `ds_asynchzp.layout`)."""
+    layout = HierarchicalLayout(n, 1, d_p, d_g, d_o)  # the groups do not depend on the node size
+    groups = {
+        "param_gather": layout.param_shard_groups, "persistent_regather": layout.param_shard_groups,
+        "grad_reduce_scatter": layout.grad_shard_groups, "boundary_allreduce": layout.outer_replica_groups,
+        "boundary_grad": layout.grad_boundary_groups, "param_refresh": layout.param_refresh_groups,
+    }
+    if flow not in groups:
+        raise ValueError(f"unknown flow {flow!r}; known: {', '.join(FLOWS)}")
+    return groups[flow]()
+
+
+@lru_cache(maxsize=4096)
+def _inter_share(flow: str, n: int, g: int, d_p: int, d_g: int, d_o: int) -> float:
+    """Share of ranks whose group of this flow spans more than one node (groups are sorted and equal-sized)."""
+    groups = flow_groups(flow, n, d_p, d_g, d_o)
+    return sum(1 for grp in groups if grp[0] // g != grp[-1] // g) / len(groups)
+
+
+def asynchzp_flows(t: TrafficInputs, param_shard_size: int, grad_shard_size: int,
+                   optimizer_shard_size: int | None = None) -> dict:
+    """Ring-model bytes per rank per optimizer step of each AsyncHZP flow (module docstring), split into
+    ``{"intra_node", "inter_node"}`` by whether the flow's group spans nodes (averaged over ranks).
+
+    ``optimizer_shard_size`` defaults to the world. Element counts of ``t`` must be padded per parameter to a
+    multiple of ``d_o`` (DeepSpeed's partition group)."""
+    n, g, a = t.world, t.node_size, t.grad_accum
+    d_p, d_g = param_shard_size, grad_shard_size
+    d_o = n if optimizer_shard_size is None else optimizer_shard_size
+    _check_layout(n, g, d_p, d_g, d_o)
+    t_p, t_g, r_o = d_o // d_p, d_o // d_g, n // d_o
+    b, b_c, p_t = t.param_bytes, t.grad_comm_bytes, t.trainable_elements
+    bytes_ = {
+        "param_gather": a * 2 * b * t.gathered_elements * _ring(d_p),
+        "grad_reduce_scatter": a * b_c * t.reduced_elements * _ring(d_g),
+        "boundary_grad": b_c * p_t / d_g * _ring(t_g),
+        "boundary_allreduce": 2 * b_c * p_t / d_o * _ring(r_o),
+        "param_refresh": b * p_t / d_p * _ring(t_p),
+        "persistent_regather": b * t.persistent_elements * _ring(d_p),
+    }
+    out = {}
+    for name in FLOWS:
+        share = _inter_share(name, n, g, d_p, d_g, d_o) if bytes_[name] else 0.0
+        out[name] = {"intra_node": bytes_[name] * (1 - share), "inter_node": bytes_[name] * share}
+    return out
+
+
+def asynchzp_bytes(t: TrafficInputs, param_shard_size: int, grad_shard_size: int,
+                   optimizer_shard_size: int | None = None) -> dict:
+    """``{"intra_node", "inter_node", "by_flow"}``: the AsyncHZP totals per rank per optimizer step, and
+    ``by_flow[name] = {"intra_node", "inter_node"}`` for each of :data:`FLOWS` (see :func:`asynchzp_flows`)."""
+    flows = asynchzp_flows(t, param_shard_size, grad_shard_size, optimizer_shard_size)
+    return {"intra_node": sum(f["intra_node"] for f in flows.values()),
+            "inter_node": sum(f["inter_node"] for f in flows.values()),
+            "by_flow": flows}
+
+
 # ------------------------------------------------------------------------------------- node-link bytes
 # What the node links of a real (or emulated) cluster carry, per rank, when the backend runs every collective
 # as a ring in rank order, as gloo does: only ring edges between two nodes put bytes on a link, and gloo's
-# reduce-scatter is an all-reduce underneath (two ring passes). A group of n ranks spread evenly over s nodes
-# has s such edges (s >= 2), so a fraction s/n of its members send over a link, (n-1)/n * S each per pass.
+# reduce-scatter is an all-reduce underneath (two ring passes). A ring of n ranks over s >= 2 nodes has s such
+# edges, so s/n of its members send over a link, (n-1)/n * S each per pass. The pairwise exchange (all_to_all)
+# sends S/n from each member to each other member, on a link when that member sits on another node.
 # The ledger records the same per collective (`link_bytes`); the emulator's link counters measure it.
 GLOO_REDUCE_SCATTER_PASSES = 2
 
@@ -120,16 +160,24 @@ def _link_fraction(group_size: int, nodes_spanned: int) -> float:
     return nodes_spanned / group_size if nodes_spanned >= 2 else 0.0
 
 
-def _nodes_spanned_by_shard_group(k: int, node_size: int) -> int:
-    return max(1, k // node_size)
+def _ring_link_share(groups: list[list[int]], g: int) -> float:
+    """Mean over ranks: is my ring successor (group order, wrapping) on another node?"""
+    crossing = sum(1 for grp in groups for i, r in enumerate(grp) if grp[(i + 1) % len(grp)] // g != r // g)
+    return crossing / sum(len(grp) for grp in groups)
 
 
-def _nodes_spanned_by_replica_group(k: int, world: int, node_size: int) -> int:
-    return min(world // k, world // node_size)
+def _remote_members(groups: list[list[int]], g: int) -> float:
+    """Mean over ranks of the members of my group that sit on another node."""
+    remote = sum(1 for grp in groups for r in grp for m in grp if m // g != r // g)
+    return remote / sum(len(grp) for grp in groups)
 
 
-def link_bytes(arm: str, t: TrafficInputs, param_shard_size: int = None, grad_shard_size: int = None) -> float:
-    """Bytes per rank per optimizer step over node links (payload only; see module notes)."""
+def link_bytes(arm: str, t: TrafficInputs, param_shard_size: int = None, grad_shard_size: int = None,
+               optimizer_shard_size: int = None) -> float:
+    """Bytes per rank per optimizer step over node links (payload only; see module notes).
+
+    For ``arm`` ``"asynchzp"`` (or any name starting with it) the sizes are the layout's (``d_o`` defaults to
+    the world, ``d_g`` to ``d_p``, ``d_p`` to the node size)."""
     n, g, a = t.world, t.node_size, t.grad_accum
     nodes = n // g
     rs = GLOO_REDUCE_SCATTER_PASSES
@@ -138,20 +186,22 @@ def link_bytes(arm: str, t: TrafficInputs, param_shard_size: int = None, grad_sh
         return a * (2 * t.param_bytes * t.gathered_elements + rs * t.grad_comm_bytes * t.reduced_elements) * world_fraction
     if arm == "hpz":
         return (t.param_bytes * t.trainable_elements + a * rs * t.grad_comm_bytes * t.reduced_elements) * world_fraction
-    if arm != "asynchzp":
+    if not arm.startswith("asynchzp"):
         raise ValueError(f"no node-link formula for arm {arm!r}")
-    kp, kg = param_shard_size, grad_shard_size
-    mp, mg = n // kp, n // kg
-
-    def shard(k: int) -> float:
-        return _link_fraction(k, _nodes_spanned_by_shard_group(k, g)) * _ring(k)
-
-    def replica(k: int, m: int) -> float:
-        return _link_fraction(m, _nodes_spanned_by_replica_group(k, n, g)) * _ring(m) if m > 1 else 0.0
-
-    _, grad_inter = permutation_fractions(ShardLayout(n, kg), g)
-    _, param_inter = permutation_fractions(ShardLayout(n, kp), g, inverse=True)
-    micro = a * (2 * t.param_bytes * t.gathered_elements * shard(kp) + rs * t.grad_comm_bytes * t.reduced_elements * shard(kg))
-    boundary = rs * 4 * t.trainable_elements / kg * replica(kg, mg) + grad_inter * 4 * t.trainable_elements / n
-    refresh = t.param_bytes * t.trainable_elements / kp * replica(kp, mp) + param_inter * t.param_bytes * t.trainable_elements / n
-    return micro + boundary + refresh
+    d_p = g if param_shard_size is None else param_shard_size
+    d_g = d_p if grad_shard_size is None else grad_shard_size
+    d_o = n if optimizer_shard_size is None else optimizer_shard_size
+    flows = asynchzp_flows(t, d_p, d_g, d_o)
+    passes = {"param_gather": 1, "persistent_regather": 1, "grad_reduce_scatter": rs,
+              "boundary_allreduce": 1,  # all-reduce: its 2 passes are already in the flow's bytes
+              "param_refresh": 1}
+    total = 0.0
+    for name, p in passes.items():
+        if flows[name]["inter_node"]:  # else every group sits inside one node: no link edge
+            total += sum(flows[name].values()) * p * _ring_link_share(flow_groups(name, n, d_p, d_g, d_o), g)
+    # The pairwise exchange sends S/T_g to each other member; (T_g-1)/T_g * S is the flow's bytes.
+    t_g = d_o // d_g
+    if t_g > 1:
+        per_member = sum(flows["boundary_grad"].values()) / (t_g - 1)
+        total += per_member * _remote_members(flow_groups("boundary_grad", n, d_p, d_g, d_o), g)
+    return total

@@ -1,9 +1,10 @@
 """Plan a cluster before training: model-state memory, bytes and communication time per optimizer step per arm.
 
 Every number comes from the same code the engine and the tests use: traffic formulas from
-:mod:`ds_asynchzp.traffic`, the memory model and the ``"auto"`` rule from :mod:`ds_asynchzp.sizing`, the layout
-check from :func:`ds_asynchzp.config.resolve_layout`. This module only adds the two quantized arms, which the
-engine does not run (ZeRO++ quantization is rejected together with ``async_hzp``):
+:mod:`ds_asynchzp.accounting.traffic`, the memory model from :mod:`ds_asynchzp.accounting.sizing`, and the layout
+(``"auto"`` included, with its reason) from :func:`ds_asynchzp.config.resolve_layout` itself. This module only
+adds the two quantized arms, which the engine does not run (ZeRO++ quantization is rejected together with
+``async_hzp``):
 
 ``zeropp``: ZeRO++ with qwZ + hpZ + qgZ, as DeepSpeed implements it (``zero_quantized_weights``,
 ``zero_hpz_partition_size = G``, ``zero_quantized_gradients``). Per optimizer step, per rank::
@@ -17,19 +18,20 @@ The first forward after a step gathers INT8 weights over the world (0.5x of bf16
 backward gather reads the hpZ secondary inside the node (DeepSpeed quantizes those gathers too). qgZ's first hop
 is an INT4 all-to-all inside the node; its cross-node hop is counted as the ZeRO++ paper does, 0.25x of a bf16
 reduce-scatter over the world. (The two-hop all-to-all moves only the node-reduced 1/G slice across nodes, so
-this is the paper's upper figure.) This is :func:`ds_asynchzp.traffic.hpz_bytes` with b = q_w, b_c = q_g, plus
-the intra-node hop.
+this is the paper's upper figure.) This is :func:`ds_asynchzp.accounting.traffic.hpz_bytes` with b = q_w,
+b_c = q_g, plus the intra-node hop.
 
 ``asynchzp-q``: AsyncHZP with the per-micro-step traffic quantized: INT8 parameter gathers over the d_p group and
-INT4 gradient reduce-scatters over the d_g group. The once-per-step cross-node boundary gradient reduction (fp32)
-and parameter refresh (b bytes) stay unquantized, so the inter-node bytes equal asynchzp's whenever d_p, d_g fit
-in a node.
+INT4 gradient reduce-scatters over the d_g group. The once-per-step boundary flows (gradient exchange and
+all-reduce in the communication dtype, parameter refresh in b bytes) stay unquantized, so the inter-node bytes
+equal asynchzp's whenever d_p, d_g fit in a node.
 
 Quantization scales are left out (4 bytes per 8000-element group in DeepSpeed's weight quantizer: < 0.1 %).
 Communication time = intra_bytes / intra_bw + inter_bytes / inter_bw: no overlap with compute or between the two
 levels is assumed, so it is an upper bound of the exposed communication. Bandwidths are per rank.
 
-Planned models are one tensor of Ψ elements padded to a multiple of the world, so P_g = P_r = P_t = Ψ_padded.
+Planned models are one tensor of Ψ elements, padded to a multiple of the world (to a multiple of d_o for the
+asynchzp arms, as DeepSpeed pads over its partition group), so P_g = P_r = P_t = Ψ_padded.
 """
 
 from __future__ import annotations
@@ -37,15 +39,16 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
-from . import sizing, traffic
-from .config import resolve_layout
+from ..accounting import sizing, traffic
+from ..config import resolve_layout
+from ..errors import AsyncHZPConfigError
 
 ARMS = ("zero3", "hpz", "zeropp", "asynchzp", "asynchzp-q")
 ARM_DESCRIPTIONS = {
     "zero3": "stock ZeRO-3: params, grads, optimizer over the world",
     "hpz": "ZeRO++ hpZ: ZeRO-3 plus a secondary param partition per node",
     "zeropp": "ZeRO++ qwZ (INT8 weights) + hpZ + qgZ (INT4 grads)",
-    "asynchzp": "AsyncHZP: params over d_p, grads over d_g, optimizer over the world",
+    "asynchzp": "AsyncHZP: params over d_p, grads over d_g, optimizer states over d_o",
     "asynchzp-q": "AsyncHZP, INT8 gathers and INT4 grad reduce-scatters inside the node",
 }
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -104,7 +107,8 @@ def parse_memory(text: str) -> int:
     """Bytes from ``80GB``, ``64GiB``, ``40000MB``.
 
     Memory sizes use binary multiples for both ``GB`` and ``GiB`` (drivers and torch report device memory
-    that way), the convention of ``async_hzp.memory_budget_gb`` (:data:`ds_asynchzp.sizing.BYTES_PER_GB`). Bits are rejected.
+    that way), the convention of ``async_hzp.memory_budget_gb``
+    (:data:`ds_asynchzp.accounting.sizing.BYTES_PER_GB`). Bits are rejected.
     """
     number, unit = _split_unit(text, "memory size", "80GB")
     if _is_bits(unit["base"]) or unit["per"]:
@@ -141,6 +145,9 @@ def params_from_model_spec(spec: dict) -> int:
 
 
 # ------------------------------------------------------------------------------------------ the arms
+MICRO_STEP_FLOWS = ("param_gather", "grad_reduce_scatter")  # the flows asynchzp-q quantizes
+
+
 def zeropp_bytes(t: traffic.TrafficInputs) -> dict:
     """ZeRO++ qwZ + hpZ + qgZ (module docstring): hpZ's formula with INT8 weights and INT4 gradients, plus the
     intra-node all-to-all hop of qgZ."""
@@ -151,98 +158,145 @@ def zeropp_bytes(t: traffic.TrafficInputs) -> dict:
     return {"intra_node": quantized["intra_node"] + first_hop, "inter_node": quantized["inter_node"]}
 
 
-def asynchzp_q_bytes(t: traffic.TrafficInputs, param_shard_size: int, grad_shard_size: int) -> dict:
-    """AsyncHZP with quantized micro-step collectives and unquantized boundary collectives (module docstring).
+def asynchzp_q_bytes(t: traffic.TrafficInputs, param_shard_size: int, grad_shard_size: int,
+                     optimizer_shard_size: int | None = None) -> dict:
+    """AsyncHZP with quantized micro-step flows (INT8 gathers, INT4 reduce-scatters) and unquantized boundary
+    flows (module docstring): each flow taken from :func:`ds_asynchzp.accounting.traffic.asynchzp_flows`, no
+    formula restated here."""
+    sizes = (param_shard_size, grad_shard_size, optimizer_shard_size)
+    plain = traffic.asynchzp_flows(t, *sizes)
+    quantized = traffic.asynchzp_flows(replace(t, param_bytes=INT8_BYTES, grad_comm_bytes=INT4_BYTES), *sizes)
+    flows = {name: (quantized if name in MICRO_STEP_FLOWS else plain)[name] for name in traffic.FLOWS}
+    return {"intra_node": sum(f["intra_node"] for f in flows.values()),
+            "inter_node": sum(f["inter_node"] for f in flows.values()), "by_flow": flows}
 
-    asynchzp_bytes is linear in the micro-step count, and its A = 0 value is the boundary traffic alone; so the
-    quantized micro-steps are the INT8/INT4 run minus its own boundary, and no formula is restated here.
-    """
-    sizes = (param_shard_size, grad_shard_size)
-    boundary = traffic.asynchzp_bytes(replace(t, grad_accum=0), *sizes)
-    quantized = replace(t, param_bytes=INT8_BYTES, grad_comm_bytes=INT4_BYTES)
-    quantized_all = traffic.asynchzp_bytes(quantized, *sizes)
-    quantized_boundary = traffic.asynchzp_bytes(replace(quantized, grad_accum=0), *sizes)
-    return {k: boundary[k] + quantized_all[k] - quantized_boundary[k] for k in boundary}
 
+def arm_bytes(arm: str, t: traffic.TrafficInputs, d_p: int, d_g: int, d_o: int | None = None) -> dict:
+    """Bytes per optimizer step per rank, ``{"intra_node", "inter_node"}`` (AsyncHZP arms add ``by_flow``).
 
-def arm_bytes(arm: str, t: traffic.TrafficInputs, d_p: int, d_g: int) -> dict:
-    """Bytes per optimizer step per rank, ``{"intra_node", "inter_node"}``, of one arm."""
+    ``d_o`` defaults to the world. Any arm named ``asynchzp...`` other than ``asynchzp-q`` (e.g. a benchmark
+    arm ``asynchzp:optimizer_shard_size=4``) is the asynchzp formula with its own layout."""
     if arm == "zero3":
         return traffic.zero3_bytes(t)
     if arm == "hpz":
         return traffic.hpz_bytes(t)
     if arm == "zeropp":
         return zeropp_bytes(t)
-    if arm == "asynchzp":
-        return traffic.asynchzp_bytes(t, d_p, d_g)
     if arm == "asynchzp-q":
-        return asynchzp_q_bytes(t, d_p, d_g)
+        return asynchzp_q_bytes(t, d_p, d_g, d_o)
+    if arm.startswith("asynchzp"):
+        return traffic.asynchzp_bytes(t, d_p, d_g, d_o)
     raise ValueError(f"unknown arm {arm!r}; known: {', '.join(ARMS)}")
 
 
-def arm_memory(arm: str, num_params: int, world: int, node_size: int, d_p: int, d_g: int, param_bytes: int) -> dict:
-    """Model-state bytes per rank, from :func:`ds_asynchzp.sizing.model_state_bytes_per_rank`.
+def arm_memory(arm: str, num_params: int, world: int, node_size: int, d_p: int, d_g: int, param_bytes: int,
+               d_o: int | None = None, grad_accum_bytes: int | None = None) -> dict:
+    """Model-state bytes per rank, from :func:`ds_asynchzp.accounting.sizing.model_state_bytes_per_rank`.
 
-    Stock ZeRO-3 has no working shard nor accumulation shard, so both roles are dropped; hpZ's secondary
-    partition has the shape of a working shard over the node (``b·Ψ/G``, kept unquantized by DeepSpeed, also
-    under qwZ). Quantized arms store the same states as their unquantized twins.
+    Stock ZeRO-3 is the layout ``d_p = d_g = d_o = world`` (its partitions are the ``param_shard`` and
+    ``grad_shard`` roles); hpZ adds a secondary partition over the node (``b·Ψ/G``, kept unquantized by
+    DeepSpeed, also under qwZ). Quantized arms store the same states as their unquantized twins.
+    ``grad_accum_bytes`` defaults to ``param_bytes`` (DeepSpeed accumulates in the model dtype by default).
     """
+    a = param_bytes if grad_accum_bytes is None else grad_accum_bytes
     if arm in ("zero3", "hpz", "zeropp"):
-        parts = sizing.model_state_bytes_per_rank(num_params, world, node_size, world, world, param_bytes=param_bytes)
-        kept = {role: parts[role] for role in ("param_primary", "grad_primary", "master", "optimizer_state")}
+        parts = sizing.model_state_bytes_per_rank(num_params, world, world, world, world, param_bytes=param_bytes,
+                                                  grad_accum_bytes=a)
         if arm != "zero3":
-            kept["param_secondary"] = parts["param_shard"]
-        kept["total"] = sum(kept.values())
-        return kept
-    if arm in ("asynchzp", "asynchzp-q"):
-        return sizing.model_state_bytes_per_rank(num_params, world, d_p, d_g, world, param_bytes=param_bytes)
+            parts["param_secondary"] = sizing.model_state_bytes_per_rank(
+                num_params, world, node_size, world, world, param_bytes=param_bytes)["param_shard"]
+            parts["total"] = sum(v for k, v in parts.items() if k != "total")
+        return parts
+    if arm.startswith("asynchzp"):
+        return sizing.model_state_bytes_per_rank(num_params, world, d_p, d_g, world if d_o is None else d_o,
+                                                 param_bytes=param_bytes, grad_accum_bytes=a)
     raise ValueError(f"unknown arm {arm!r}; known: {', '.join(ARMS)}")
 
 
 # ------------------------------------------------------------------------------------------- planning
-def traffic_inputs(num_params: int, world: int, node_size: int, grad_accum: int, dtype: str) -> traffic.TrafficInputs:
-    """Inputs for a planned model: one padded tensor, every element gathered, reduced and trained."""
-    padded = sizing.padded_num_params([num_params], world)
+#: Bandwidths "auto" assumes when the plan is given none: the defaults of the config keys
+#: async_hzp.intra_node_bandwidth_gbps / inter_node_bandwidth_gbps.
+DEFAULT_INTRA_BW = 800e9 / 8
+DEFAULT_INTER_BW = 200e9 / 8
+
+
+def traffic_inputs(num_params: int, world: int, node_size: int, grad_accum: int, dtype: str,
+                   multiple: int | None = None) -> traffic.TrafficInputs:
+    """Inputs for a planned model: one tensor padded to a multiple of ``multiple`` (default: the world; ``d_o``
+    for AsyncHZP), every element gathered, reduced and trained."""
+    padded = sizing.padded_num_params([num_params], world if multiple is None else multiple)
     b = DTYPE_BYTES[dtype]
     return traffic.TrafficInputs(world=world, node_size=node_size, grad_accum=grad_accum, gathered_elements=padded,
                                  reduced_elements=padded, trainable_elements=padded, param_bytes=b, grad_comm_bytes=b)
 
 
-def auto_shard_sizes(padded_params: int, world: int, node_size: int, budget_bytes: float | None, dtype: str) -> dict:
-    """What ``"auto"`` picks, from :func:`ds_asynchzp.sizing.choose_shard_sizes` (``error`` set if nothing fits)."""
+def _ds_config(world: int, grad_accum: int, dtype: str, grad_accum_dtype: str | None, section: dict) -> dict:
+    """The ds_config the engine would get for this plan (what resolve_layout reads for "auto")."""
+    config = {"zero_optimization": {"stage": 3}, "gradient_accumulation_steps": grad_accum, "async_hzp": section}
+    if dtype in ("bf16", "fp16"):
+        config[dtype] = {"enabled": True}
+    if grad_accum_dtype is not None:
+        config["data_types"] = {"grad_accum_dtype": grad_accum_dtype}
+    return config
+
+
+def resolve_plan_layout(num_params: int, world: int, node_size: int, sizes: dict, *, grad_accum: int = 1,
+                        dtype: str = "bf16", grad_accum_dtype: str | None = None, budget_bytes: float | None = None,
+                        intra_bw: float | None = None, inter_bw: float | None = None) -> dict:
+    """The layout the engine resolves for ``sizes`` (``{"param_shard_size": "auto" | int | None, ...}``), through
+    :func:`ds_asynchzp.config.resolve_layout` itself: ``{"d_p", "d_g", "d_o", "reason", "error"}``.
+
+    ``error`` is set (and the sizes None) when "auto" finds nothing within the budget; an invalid integer size
+    raises the engine's AsyncHZPConfigError."""
+    section = {"node_size": node_size, **{k: v for k, v in sizes.items() if v is not None}}
+    if budget_bytes is not None:
+        section["memory_budget_gb"] = budget_bytes / sizing.BYTES_PER_GB
+    section["intra_node_bandwidth_gbps"] = (intra_bw or DEFAULT_INTRA_BW) * 8 / 1e9
+    section["inter_node_bandwidth_gbps"] = (inter_bw or DEFAULT_INTER_BW) * 8 / 1e9
+    config = _ds_config(world, grad_accum, dtype, grad_accum_dtype, section)
+    padded = sizing.padded_num_params([num_params], world)  # as the engine counts before d_o is known
     try:
-        d_p, d_g, d_o = sizing.choose_shard_sizes(padded_params, world, node_size, budget_bytes,
-                                                  param_bytes=DTYPE_BYTES[dtype])
-    except ValueError as exc:  # AsyncHZPConfigError is a ValueError
-        return {"d_p": None, "d_g": None, "d_o": world, "error": str(exc)}
-    return {"d_p": d_p, "d_g": d_g, "d_o": d_o, "error": None}
+        layout = resolve_layout(config, world, node_size, has_client_optimizer=True, num_parameters=padded)
+    except AsyncHZPConfigError as exc:
+        if "async_hzp.memory_budget_gb" not in exc.keys:
+            raise
+        return {"d_p": None, "d_g": None, "d_o": None, "reason": None, "error": str(exc)}
+    return {"d_p": layout.param_shard_size, "d_g": layout.grad_shard_size, "d_o": layout.optimizer_shard_size,
+            "reason": layout.auto_reason, "error": None}
 
 
-def check_layout(world: int, node_size: int, d_p: int, d_g: int) -> None:
+def check_layout(world: int, node_size: int, d_p: int, d_g: int, d_o: int | None = None) -> None:
     """Raise the engine's own AsyncHZPConfigError when explicit sizes are not a valid layout."""
     section = {"node_size": node_size, "param_shard_size": d_p, "grad_shard_size": d_g}
+    if d_o is not None:
+        section["optimizer_shard_size"] = d_o
     resolve_layout({"zero_optimization": {"stage": 3}, "async_hzp": section}, world, node_size,
                    has_client_optimizer=True)
 
 
 def plan(num_params: int, world: int, node_size: int, grad_accum: int = 1, dtype: str = "bf16",
          intra_bw: float | None = None, inter_bw: float | None = None, device_memory: int | None = None,
-         memory_budget: float | None = None, param_shard_size: int | str = "auto",
-         grad_shard_size: int | str | None = None) -> dict:
-    """The whole plan as a JSON-ready dict: inputs, the ``"auto"`` pick, and per arm memory, bytes and time.
+         memory_budget: float | None = None, param_shard_size: int | str | None = "auto",
+         grad_shard_size: int | str | None = None, optimizer_shard_size: int | str | None = "auto",
+         grad_accum_dtype: str | None = None) -> dict:
+    """The whole plan as a JSON-ready dict: inputs, the ``"auto"`` pick and why, and per arm memory, bytes, time.
 
     Budget for ``"auto"``: ``memory_budget`` if given, else ``sizing.DEFAULT_BUDGET_FRACTION`` of
     ``device_memory`` (what the engine's default gives on such a device), else ``sizing.default_budget_bytes``
-    of this machine. ``grad_shard_size=None`` follows ``param_shard_size`` as in the engine's config.
+    of this machine. The sizes follow the config's rules (``grad_shard_size=None`` follows
+    ``param_shard_size``; ``optimizer_shard_size=None`` is the world); ``auto`` is what all three ``"auto"``
+    would choose, ``layout`` what the given sizes resolve to (they are the same by default). If "auto" finds
+    nothing within the budget, the arms are planned with the smallest-memory layout, which the memory columns
+    then flag. ``grad_accum_dtype`` (default: ``dtype``) is ``data_types.grad_accum_dtype``.
     """
     if world < 1 or node_size < 1 or world % node_size:
         raise ValueError(f"node size {node_size} must be >= 1 and divide the world size {world}")
     if grad_accum < 1:
         raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
-    t = traffic_inputs(num_params, world, node_size, grad_accum, dtype)
-    padded, b = t.trainable_elements, t.param_bytes
+    for name, value in (("dtype", dtype), ("grad_accum_dtype", grad_accum_dtype or dtype)):
+        if value not in DTYPE_BYTES:
+            raise ValueError(f"{name} must be one of {sorted(DTYPE_BYTES)}, got {value!r}")
+    b, a = DTYPE_BYTES[dtype], DTYPE_BYTES[grad_accum_dtype or dtype]
 
     if memory_budget is not None:
         budget, budget_source = float(memory_budget), "given"
@@ -251,25 +305,30 @@ def plan(num_params: int, world: int, node_size: int, grad_accum: int = 1, dtype
         budget_source = f"{sizing.DEFAULT_BUDGET_FRACTION:.0%} of device memory"
     else:
         budget, budget_source = float(sizing.default_budget_bytes(node_size)), "detected on this machine"
-    auto = auto_shard_sizes(padded, world, node_size, budget, dtype)
+    common = dict(grad_accum=grad_accum, dtype=dtype, grad_accum_dtype=grad_accum_dtype, budget_bytes=budget,
+                  intra_bw=intra_bw, inter_bw=inter_bw)
+    auto = resolve_plan_layout(num_params, world, node_size, dict.fromkeys(sizing.SIZE_KEYS, "auto"), **common)
     auto.update(budget_bytes=budget, budget_source=budget_source)
 
-    grad_shard_size = param_shard_size if grad_shard_size is None else grad_shard_size
-    if "auto" in (param_shard_size, grad_shard_size):
-        if param_shard_size != grad_shard_size:
-            raise ValueError('"auto" chooses both shard sizes together; give both as integers or leave both "auto"')
-        # Nothing fits: plan the widest in-node layout, which the memory columns then flag.
-        d_p, d_g = (auto["d_p"], auto["d_g"]) if auto["error"] is None else (node_size, node_size)
-        layout_source = "auto" if auto["error"] is None else "node size (auto found no fit)"
+    sizes = dict(zip(sizing.SIZE_KEYS, (param_shard_size, grad_shard_size, optimizer_shard_size)))
+    chosen = resolve_plan_layout(num_params, world, node_size, sizes, **common)
+    given = ", ".join(f"{k}={v}" for k, v in sizes.items() if isinstance(v, int))
+    if chosen["error"] is None:
+        d_p, d_g, d_o = chosen["d_p"], chosen["d_g"], chosen["d_o"]
+        source = ("given" if "auto" not in sizes.values() else "auto" + (f" with {given}" if given else ""))
     else:
-        d_p, d_g = int(param_shard_size), int(grad_shard_size)
-        check_layout(world, node_size, d_p, d_g)
-        layout_source = "given"
+        fixed = {k: v for k, v in sizes.items() if isinstance(v, int)}
+        d_p, d_g, d_o, _ = sizing.smallest_memory_layout(
+            sizing.padded_num_params([num_params], world), world, node_size, param_bytes=b, grad_accum_bytes=a,
+            fixed=fixed)
+        source = "smallest memory (auto found no fit)"
 
     arms = {}
     for arm in ARMS:
-        memory = arm_memory(arm, padded, world, node_size, d_p, d_g, b)
-        moved = arm_bytes(arm, t, d_p, d_g)
+        asynchzp = arm.startswith("asynchzp")
+        t = traffic_inputs(num_params, world, node_size, grad_accum, dtype, multiple=d_o if asynchzp else world)
+        memory = arm_memory(arm, t.trainable_elements, world, node_size, d_p, d_g, b, d_o=d_o, grad_accum_bytes=a)
+        moved = arm_bytes(arm, t, d_p, d_g, d_o)
         times = None
         if intra_bw and inter_bw:
             intra_s, inter_s = moved["intra_node"] / intra_bw, moved["inter_node"] / inter_bw
@@ -281,13 +340,14 @@ def plan(num_params: int, world: int, node_size: int, grad_accum: int = 1, dtype
             "bytes_per_step": moved,
             "comm_time_s": times,
         }
+    padded = sizing.padded_num_params([num_params], world)
     return {
         "inputs": {"params": num_params, "padded_params": padded, "world": world, "node_size": node_size,
                    "nodes": world // node_size, "grad_accum": grad_accum, "dtype": dtype, "param_bytes": b,
-                   "grad_comm_bytes": b, "intra_bw_bytes_per_s": intra_bw, "inter_bw_bytes_per_s": inter_bw,
-                   "device_memory_bytes": device_memory},
+                   "grad_comm_bytes": b, "grad_accum_bytes": a, "intra_bw_bytes_per_s": intra_bw,
+                   "inter_bw_bytes_per_s": inter_bw, "device_memory_bytes": device_memory},
         "auto": auto,
-        "layout": {"d_p": d_p, "d_g": d_g, "d_o": world, "source": layout_source},
+        "layout": {"d_p": d_p, "d_g": d_g, "d_o": d_o, "source": source, "reason": chosen["reason"]},
         "arms": arms,
         "assumptions": [
             "ring model bytes sent per rank per optimizer step; scalar all-reduces left out",
@@ -295,13 +355,14 @@ def plan(num_params: int, world: int, node_size: int, grad_accum: int = 1, dtype
             "zeropp: INT8 weight gathers, hpZ secondary per node, INT4 grads; cross-node grads 0.25x of bf16",
             "asynchzp-q: INT8 gathers and INT4 reduce-scatters per micro-step; boundary reduction and refresh "
             "unquantized",
+            "asynchzp arms: parameters padded to a multiple of d_o, the others' to a multiple of the world",
             "memory: model states only (no activations, buffers, fragmentation)",
         ],
     }
 
 
 # ------------------------------------------------------------------- checking a benchmark run (--check)
-CHECKED_ARMS = ("zero3", "hpz", "asynchzp")
+CHECKED_ARMS = ("zero3", "hpz", "asynchzp")  # and every arm named asynchzp...
 CHECK_RTOL = 0.05  # relative to the predicted bytes
 ZERO_PREDICTION_SLACK_BYTES = 1024  # where nothing is predicted, a few scalar all-reduces may still show up
 # Link counters of an emulated network see whole frames, both directions' TCP acknowledgements included; the
@@ -322,47 +383,59 @@ def wire_overhead_factor(mtu: int = 1500, ethernet: bool = True) -> float:
 WIRE_OVERHEAD_FACTOR = wire_overhead_factor(1500)
 
 
-def _padded(numel: int, world: int) -> int:
-    return sizing.padded_num_params([numel], world)
+def _padded(numel: int, multiple: int) -> int:
+    return sizing.padded_num_params([numel], multiple)
 
 
-def bench_element_counts(config: dict) -> dict:
+def bench_element_counts(config: dict, multiple: int | None = None) -> dict:
     """P_g, P_r, P_t of the benchmark's model, counted as the ledger tests count them.
 
     P_g: each module's own parameters (a tied weight once per module that owns it); P_r: trainable parameters
-    except the deliberately unused one; P_t: all trainable parameters. Each padded to a multiple of the world.
+    except the deliberately unused one; P_t: all trainable parameters. Each padded to a multiple of
+    ``multiple``: the world (default) for ZeRO-3 and hpZ, ``d_o`` for an AsyncHZP arm.
     """
-    from .bench.model import build_model
-    from .bench.worker import _model_config  # the exact architecture the benchmark's ranks built
+    from ..bench.model import build_model
+    from ..bench.worker import _model_config  # the exact architecture the benchmark's ranks built
 
     world = int(config.get("world_size") or config["nproc"])
+    multiple = world if multiple is None else multiple
     model = build_model(_model_config(config["model"], int(config.get("moe_experts") or 0),
                                       int(config.get("seq_len") or 0)))
     counts = {"gathered": 0, "reduced": 0, "trainable": 0}
     for module in model.modules():
-        counts["gathered"] += sum(_padded(p.numel(), world) for p in module.parameters(recurse=False))
+        counts["gathered"] += sum(_padded(p.numel(), multiple) for p in module.parameters(recurse=False))
     for name, param in model.named_parameters():
         if param.requires_grad:
-            counts["trainable"] += _padded(param.numel(), world)
+            counts["trainable"] += _padded(param.numel(), multiple)
             if name != "unused":
-                counts["reduced"] += _padded(param.numel(), world)
+                counts["reduced"] += _padded(param.numel(), multiple)
     return counts
 
 
-def _asynchzp_sizes(results: dict, node_size: int) -> tuple[int, int]:
-    """(d_p, d_g) the asynchzp arm ran with: its reported layout, else its config override, else the defaults."""
-    entry = results.get("arms", {}).get("asynchzp", {})
+_LAYOUT_KEYS = {"d_p": ("param_shard_size", "d_p"), "d_g": ("grad_shard_size", "d_g"),
+                "d_o": ("optimizer_shard_size", "d_o")}
+
+
+def asynchzp_sizes(results: dict, arm: str, node_size: int, world: int) -> tuple[int, int, int]:
+    """(d_p, d_g, d_o) an asynchzp arm ran with: the resolved layout its entry reports (``layout``:
+    ``param_shard_size``, ...), else the integer sizes of its config override, else the defaults
+    (``d_p = d_g = node_size``, ``d_o = world``)."""
+    entry = results.get("arms", {}).get(arm, {})
     layout = entry.get("layout") or {}
-    d_p, d_g = layout.get("d_p"), layout.get("d_g")
-    if d_p is None:
-        override = results.get("config", {}).get("arm_overrides", {}).get("asynchzp", {}).get("async_hzp", {})
-        d_p, d_g = override.get("param_shard_size"), override.get("grad_shard_size")
-    d_p = node_size if d_p is None else d_p
-    d_g = d_p if d_g is None else d_g
-    if not (isinstance(d_p, int) and isinstance(d_g, int)):
-        raise ValueError(f"asynchzp arm ran with shard sizes {d_p!r}/{d_g!r} and results.json does not say what "
-                         "they resolved to; give integer sizes to the benchmark")
-    return d_p, d_g
+    sizes = {k: next((layout[n] for n in names if layout.get(n) is not None), None)
+             for k, names in _LAYOUT_KEYS.items()}
+    if sizes["d_p"] is None:
+        override = results.get("config", {}).get("arm_overrides", {}).get(arm, {}).get("async_hzp", {})
+        sizes = {k: override.get(names[0]) for k, names in _LAYOUT_KEYS.items()}
+        if "auto" in sizes.values():
+            raise ValueError(f"arm {arm!r} ran with \"auto\" sizes and results.json does not say what they "
+                             "resolved to (no layout in its entry); give integer sizes to the benchmark")
+    d_p = node_size if sizes["d_p"] is None else sizes["d_p"]
+    d_g = d_p if sizes["d_g"] is None else sizes["d_g"]
+    d_o = world if sizes["d_o"] is None else sizes["d_o"]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (d_p, d_g, d_o)):
+        raise ValueError(f"arm {arm!r} reports shard sizes {d_p!r}/{d_g!r}/{d_o!r}, not integers")
+    return d_p, d_g, d_o
 
 
 def _compare(arm: str, quantity: str, predicted: float, measured: float) -> dict:
@@ -380,29 +453,55 @@ def _overhead_of(config: dict) -> float:
     return wire_overhead_factor(int(network.get("mtu") or 1500), ethernet=not relay)
 
 
+def _is_checked(arm: str) -> bool:
+    return arm in CHECKED_ARMS or arm.startswith("asynchzp")
+
+
 def check_results(results: dict) -> dict:
-    """Predicted vs measured bytes per step for each known arm of an ``asynchzp-bench`` results.json."""
+    """Predicted vs measured bytes per step for each known arm of an ``asynchzp-bench`` results.json.
+
+    Every arm whose name starts with ``asynchzp`` (``asynchzp``, ``asynchzp:optimizer_shard_size=4``, ...) is
+    checked against the asynchzp formulas with its own layout (:func:`asynchzp_sizes`) and its elements padded
+    to a multiple of its ``d_o``: the arm entry's ``elements`` if recorded, else the results' elements when
+    ``d_o`` is the world, else counted from the benchmark's model."""
     config = results["config"]
     world = int(config.get("world_size") or config["nproc"])
     node_size, dtype = int(config["node_size"]), config.get("dtype", "fp32")
-    elements = results.get("elements") or config.get("elements") or bench_element_counts(config)
+    world_elements = results.get("elements") or config.get("elements")
     b = DTYPE_BYTES[dtype]
-    t = traffic.TrafficInputs(world=world, node_size=node_size, grad_accum=int(config["grad_accum"]),
-                              gathered_elements=elements["gathered"], reduced_elements=elements["reduced"],
-                              trainable_elements=elements["trainable"], param_bytes=b, grad_comm_bytes=b)
-    rows, notes, d_p, d_g = [], [], None, None
+
+    def elements_for(entry: dict, multiple: int) -> dict:
+        nonlocal world_elements
+        if entry.get("elements"):
+            return entry["elements"]
+        if multiple != world:
+            return bench_element_counts(config, multiple)
+        if not world_elements:
+            world_elements = bench_element_counts(config)
+        return world_elements
+
+    rows, notes, layouts, used = [], [], {}, None
     for arm, entry in results.get("arms", {}).items():
-        if arm not in CHECKED_ARMS:
+        if not _is_checked(arm):
             notes.append(f"arm {arm!r} has no formula here; not checked")
             continue
-        if arm == "asynchzp":
-            d_p, d_g = _asynchzp_sizes(results, node_size)
-        predicted = arm_bytes(arm, t, d_p, d_g)
+        d_p = d_g = d_o = None
+        multiple = world
+        if arm.startswith("asynchzp"):
+            d_p, d_g, d_o = asynchzp_sizes(results, arm, node_size, world)
+            layouts[arm] = {"d_p": d_p, "d_g": d_g, "d_o": d_o}
+            multiple = d_o
+        elements = elements_for(entry, multiple)
+        used = used or elements
+        t = traffic.TrafficInputs(world=world, node_size=node_size, grad_accum=int(config["grad_accum"]),
+                                  gathered_elements=elements["gathered"], reduced_elements=elements["reduced"],
+                                  trainable_elements=elements["trainable"], param_bytes=b, grad_comm_bytes=b)
+        predicted = arm_bytes(arm, t, d_p, d_g, d_o)
         for where in ("intra_node", "inter_node"):
             rows.append(_compare(arm, where, predicted[where], float(entry["bytes_per_step"][where])))
         # Node links carry only the ring edges between nodes (traffic.link_bytes), not the whole inter-node
         # ring-model figure: predicted once, compared with the ledger's own estimate and with the link counters.
-        link = traffic.link_bytes(arm, t, d_p, d_g)
+        link = traffic.link_bytes(arm, t, d_p, d_g, d_o)
         if entry.get("link_bytes_inter_node_per_step") is not None:
             rows.append(_compare(arm, "inter_node_link", link, float(entry["link_bytes_inter_node_per_step"])))
         wire = entry.get("wire_bytes_inter_node_per_step")
@@ -410,8 +509,9 @@ def check_results(results: dict) -> dict:
             rows.append(_compare(arm, "inter_node_wire", link, float(wire) / _overhead_of(config)))
     if not rows:
         notes.append("no arm of results.json could be checked")
+    elements = world_elements or used or {"gathered": 0, "reduced": 0, "trainable": 0}
     return {"ok": bool(rows) and all(r["ok"] for r in rows), "rows": rows, "notes": notes,
             "elements": {k: elements[k] for k in ("gathered", "reduced", "trainable")},
-            "inputs": {"world": world, "node_size": node_size, "grad_accum": t.grad_accum, "dtype": dtype},
-            "asynchzp_layout": None if d_p is None else {"d_p": d_p, "d_g": d_g},
-            "wire_overhead_factor": _overhead_of(config)}
+            "inputs": {"world": world, "node_size": node_size, "grad_accum": int(config["grad_accum"]),
+                       "dtype": dtype},
+            "asynchzp_layouts": layouts, "wire_overhead_factor": _overhead_of(config)}

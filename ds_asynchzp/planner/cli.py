@@ -5,7 +5,7 @@
     asynchzp-plan --check bench_out/results.json     # formulas against an asynchzp-bench run
 
 The numbers come from :mod:`ds_asynchzp.planner` (which uses the same traffic formulas, memory model and
-``"auto"`` rule as the engine). ``--json`` prints the same content machine-readably. Exit status: 0, 1 when
+``"auto"`` rule as the engine, and prints which layout ``"auto"`` would choose and why). ``--json`` prints the same content machine-readably. Exit status: 0, 1 when
 ``--check`` finds a difference above 5 %, 2 for bad arguments or an unreadable results.json.
 """
 
@@ -16,8 +16,8 @@ import json
 import sys
 from pathlib import Path
 
-from . import planner
-from .sizing import BYTES_PER_GB
+from .. import planner
+from ..accounting.sizing import BYTES_PER_GB
 
 GB = 1e9  # traffic is shown in decimal gigabytes, memory in GiB (BYTES_PER_GB), as the legend says
 
@@ -74,10 +74,15 @@ def build_parser() -> argparse.ArgumentParser:
                              "default: half of --device-memory, else detected on this machine")
     parser.add_argument("--dtype", default="bf16", choices=sorted(planner.DTYPE_BYTES),
                         help="parameter and gradient-communication dtype (default: %(default)s)")
+    parser.add_argument("--grad-accum-dtype", default=None, choices=sorted(planner.DTYPE_BYTES),
+                        help="gradient accumulation dtype, data_types.grad_accum_dtype (default: --dtype)")
     parser.add_argument("--param-shard-size", type=_argtype(_shard_size), default="auto",
                         help='d_p: "auto" or a divisor of --node-size (default: %(default)s)')
     parser.add_argument("--grad-shard-size", type=_argtype(_shard_size), default=None,
                         help="d_g: \"auto\" or an integer (default: follows --param-shard-size)")
+    parser.add_argument("--optimizer-shard-size", type=_argtype(_shard_size), default="auto",
+                        help='d_o: "auto" or a divisor of --world that is a multiple of d_g; "auto" sizes are '
+                             "chosen together, integer sizes constrain them (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--check", metavar="RESULTS_JSON",
                         help="compare the formulas with the bytes measured by asynchzp-bench; exit 1 above 5 %%")
@@ -123,12 +128,14 @@ def format_plan(result: dict) -> str:
     ]
     budget = f"budget {_gib(auto['budget_bytes'])}, {auto['budget_source']}"
     if auto["error"] is None:
-        lines.append(f'"auto" picks (sizing.choose_shard_sizes, {budget}): d_p={auto["d_p"]} d_g={auto["d_g"]} '
-                     f"d_o={auto['d_o']}")
+        lines.append(f'"auto" would choose d_p={auto["d_p"]} d_g={auto["d_g"]} d_o={auto["d_o"]} ({budget}):')
+        lines.append(f"  {auto['reason']}")
     else:
         lines.append(f'"auto" finds no layout ({budget}): {auto["error"]}')
     lines.append(f"asynchzp arms use d_p={layout['d_p']} d_g={layout['d_g']} d_o={layout['d_o']} "
                  f"({layout['source']})")
+    if layout.get("reason") and layout["reason"] != auto.get("reason"):
+        lines.append(f"  {layout['reason']}")
 
     header = ["arm", "model states/rank", "fits", "intra GB/step", "inter GB/step", "intra s", "inter s",
               "comm s/step"]
@@ -153,8 +160,8 @@ def format_check(report: dict, path: str) -> str:
     lines = [f"check {path}: world {inp['world']}, node size {inp['node_size']}, grad accumulation "
              f"{inp['grad_accum']}, {inp['dtype']}; padded elements P_g={el['gathered']:,} P_r={el['reduced']:,} "
              f"P_t={el['trainable']:,}"]
-    if report["asynchzp_layout"]:
-        lines[0] += f"; asynchzp d_p={report['asynchzp_layout']['d_p']} d_g={report['asynchzp_layout']['d_g']}"
+    for arm, lay in report["asynchzp_layouts"].items():
+        lines.append(f"  {arm}: d_p={lay['d_p']} d_g={lay['d_g']} d_o={lay['d_o']}")
     rows = [["arm", "bytes/step", "predicted", "measured", "diff", ""]]
     for r in report["rows"]:
         diff = "-" if r["rel_diff"] is None else f"{r['rel_diff']:+.2%}"
@@ -201,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = planner.plan(_num_params(args, parser), args.world, args.node_size, args.grad_accum, args.dtype,
                               args.intra_bw, args.inter_bw, args.device_memory, args.memory_budget,
-                              args.param_shard_size, args.grad_shard_size)
+                              args.param_shard_size, args.grad_shard_size, args.optimizer_shard_size,
+                              args.grad_accum_dtype)
     except ValueError as exc:  # includes AsyncHZPConfigError for an invalid explicit layout
         parser.error(str(exc))
     print(json.dumps(result, indent=2) if args.json else format_plan(result))
