@@ -33,7 +33,7 @@ def test_bad_flags_fail_before_any_rank_starts(capsys, monkeypatch, tmp_path, ar
     def no_launch(*args, **kwargs):
         raise AssertionError("ranks were started despite invalid flags")
 
-    monkeypatch.setattr("ds_asynchzp.launch.launch_local", no_launch)
+    monkeypatch.setattr("ds_asynchzp.bench.launch.launch_local", no_launch)
     _fails_with(capsys, [*argv, "--out", str(tmp_path / "out")], fragment)
     assert not (tmp_path / "out").exists()
 
@@ -66,6 +66,98 @@ def test_defaults_and_arm_configs_share_the_zero3_knobs():
         "enabled": True, "initial_scale_power": 8}
 
 
+def test_arm_specs_name_a_base_arm_and_its_async_hzp_overrides():
+    args = cli.parse_args(["--arms", "zero3,hpz,asynchzp,asynchzp:optimizer_shard_size=4",
+                           "--nproc", "4", "--node-size", "2"])
+    assert args.arms == ["zero3", "hpz", "asynchzp", "asynchzp:optimizer_shard_size=4"]
+    spec = cli.parse_arm_spec("asynchzp:param_shard_size=1:grad_shard_size=2")
+    assert (spec.name, spec.base, spec.overrides) == ("asynchzp:param_shard_size=1:grad_shard_size=2", "asynchzp",
+                                                      {"param_shard_size": 1, "grad_shard_size": 2})
+    assert cli.parse_arm_spec("asynchzp:param_shard_size=auto").overrides == {"param_shard_size": "auto"}
+    assert cli.parse_arm_spec("zero3").overrides == {}
+
+
+@pytest.mark.parametrize("arms, fragments", [
+    ("zero3,asynchzp:foo=1", ["'asynchzp:foo=1'", "unknown key 'foo'", "valid keys: node_size, param_shard_size"]),
+    ("zero3:param_shard_size=2", ["'zero3:param_shard_size=2'", "takes no overrides", "'param_shard_size'",
+                                  "valid keys"]),
+    ("hpz:node_size=2", ["'hpz:node_size=2'", "takes no overrides"]),
+    ("asynchzp:param_shard_size=1,asynchzp:param_shard_size=1", ["listed twice: asynchzp:param_shard_size=1"]),
+    ("asynchzp:param_shard_size=1:grad_shard_size=2,asynchzp:grad_shard_size=2:param_shard_size=1",
+     ["listed twice", "same configuration"]),
+    ("asynchzp:param_shard_size=1:param_shard_size=2", ["key 'param_shard_size' given twice"]),
+    ("asynchzp:param_shard_size", ["'asynchzp:param_shard_size'", "not key=value"]),
+    ("asynchzp:param_shard_size=two", ["key 'param_shard_size'", "not an integer or \"auto\""]),
+    ("asynchzp:enabled=false", ["key 'enabled' cannot be overridden"]),
+    ("zero9:param_shard_size=1", ["unknown arm(s) 'zero9'"]),
+    # Values go through the engine's own config check before any rank starts.
+    ("asynchzp:param_shard_size=3", ["'asynchzp:param_shard_size=3'", "async_hzp.param_shard_size"]),
+])
+def test_bad_arm_specs_fail_before_any_rank_starts(capsys, monkeypatch, tmp_path, arms, fragments):
+    def no_launch(*args, **kwargs):
+        raise AssertionError("ranks were started despite an invalid arm spec")
+
+    monkeypatch.setattr("ds_asynchzp.bench.launch.launch_local", no_launch)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--arms", arms, "--nproc", "4", "--node-size", "2", "--out", str(tmp_path / "out")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--arms:" in err
+    for fragment in fragments:
+        assert fragment in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_override_arm_config_payload_and_recorded_overrides():
+    args = cli.parse_args(["--arms", "zero3,asynchzp,asynchzp:param_shard_size=1:grad_shard_size=2",
+                           "--nproc", "4", "--node-size", "2"])
+    name = "asynchzp:param_shard_size=1:grad_shard_size=2"
+    config = cli.ds_config_for(name, args)
+    assert config["async_hzp"] == {"node_size": 2, "param_shard_size": 1, "grad_shard_size": 2}
+    # Everything else is the plain asynchzp arm's config.
+    assert {k: v for k, v in config.items() if k != "async_hzp"} == {
+        k: v for k, v in cli.ds_config_for("asynchzp", args).items() if k != "async_hzp"}
+    payload = cli._payload(name, args)
+    assert payload["arm"] == name and payload["expected_optimizer"] == "HierarchicalZeroOptimizer"
+    assert payload["ds_config"] == config
+    overrides = cli.run_config(args)["arm_overrides"]
+    assert overrides == {"asynchzp": {"async_hzp": {"node_size": 2}},
+                         name: {"async_hzp": {"node_size": 2, "param_shard_size": 1, "grad_shard_size": 2}}}
+    assert cli.run_config(args)["arm_specs"][name] == {"base": "asynchzp",
+                                                       "overrides": {"param_shard_size": 1, "grad_shard_size": 2}}
+    assert ":" not in cli._log_dir_name(name)
+
+
+def test_layouts_recorded_by_the_worker():
+    from ds_asynchzp.bench import worker
+
+    args = cli.parse_args(["--nproc", "8", "--node-size", "4"])
+    zero3, text = worker.stock_layout(cli.ds_config_for("zero3", args), 8, 4)
+    assert zero3 == {"world_size": 8, "node_size": 4, "num_nodes": 2, "param_shard_size": 8, "grad_shard_size": 8,
+                     "optimizer_shard_size": 8, "auto_reason": None}
+    assert "ZeRO-3" in text
+    hpz, text = worker.stock_layout(cli.ds_config_for("hpz", args), 8, 4)
+    assert (hpz["param_shard_size"], hpz["grad_shard_size"], hpz["optimizer_shard_size"]) == (4, 8, 8)
+    assert "hpZ" in text
+
+    class Layout:
+        def as_dict(self):
+            return {"world_size": 8, "node_size": 4, "num_nodes": 2, "param_shard_size": 2, "grad_shard_size": 4,
+                    "optimizer_shard_size": 8, "auto_reason": "fits"}
+
+        def describe(self):
+            return "async_hzp layout: ..."
+
+    class Engine:
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+
+    hzp_engine = Engine(type("Opt", (), {"hzp_layout": Layout()})())
+    assert worker._layout_of(hzp_engine, {}, 8, 4) == (Layout().as_dict(), "async_hzp layout: ...")
+    stock_engine = Engine(object())
+    assert worker._layout_of(stock_engine, cli.ds_config_for("zero3", args), 8, 4)[0] == zero3
+
+
 def _fake_rank(rank: int, losses, times, inter, rss: int, node_tx=None) -> dict:
     node_tx = node_tx or [None] * len(losses)
     steps = [{"loss": l, "time_s": t, "intra_node": 10.0, "inter_node": b, "calls": 3, "link_bytes": b / 2,
@@ -94,6 +186,11 @@ def test_aggregation_rules_and_table():
     assert entry["link_bytes_inter_node_per_step"] == 3.5
     assert entry["wire_bytes_inter_node_per_step"] is None  # loopback: no link counters
     assert entry["exposed_comm_s_per_step"] == 1.0  # median over steady steps of the rank-mean (0.75, 1.25)
+    assert entry["layout"] is None  # ranks that recorded no layout (older workers)
+    layouts = [dict(r, layout={"world_size": 2, "rank": r["rank"]}, layout_text=f"rank {r['rank']}") for r in ranks]
+    with_layout = aggregate_arm(layouts, args.warmup_steps, cli.tokens_per_optimizer_step(args))
+    assert with_layout["layout"] == {"world_size": 2, "rank": 0} and with_layout["layout_text"] == "rank 0"
+    assert merge_repeats([with_layout])["layout"] == with_layout["layout"]
 
     other = dict(entry, losses=[2.0, 2.0, 2.2], bytes_per_step={"intra_node": 0.0, "inter_node": 3.5})
     table = format_table({"config": {}, "arms": {"zero3": entry, "asynchzp": other}})
@@ -133,9 +230,15 @@ def test_small_run_matches_zero3_with_less_inter_node_traffic(tmp_path, capsys):
     for ours, reference in zip(hzp["losses"], zero3["losses"]):
         assert ours == pytest.approx(reference, rel=1e-6)
     assert hzp["bytes_per_step"]["inter_node"] < zero3["bytes_per_step"]["inter_node"]
+    # The resolved layouts: stock ZeRO-3 shards everything over the world; AsyncHZP params and grads per node.
+    sizes = ("world_size", "node_size", "param_shard_size", "grad_shard_size", "optimizer_shard_size")
+    assert [zero3["layout"][k] for k in sizes] == [4, 2, 4, 4, 4]
+    assert [hzp["layout"][k] for k in sizes] == [4, 2, 2, 2, 4]
+    assert hzp["layout_text"]
 
     summary = (tmp_path / "summary.md").read_text()
     assert "| asynchzp" in summary and "inter ratio vs zero3" in summary
+    assert "2/2/4" in summary and "master MB" in summary  # asynchzp's d_p/d_g/d_o and memory per role
 
 
 def test_node_link_counters_and_repeats():

@@ -205,3 +205,99 @@ def test_report_does_not_modify_its_input(tmp_path):
     before = copy.deepcopy(results)
     report.write_report(results, tmp_path)
     assert results == before
+
+
+OVERRIDE_ARM = "asynchzp:param_shard_size=2"
+
+
+def _layout(world, node, d_p, d_g, d_o, auto_reason=None):
+    return {"world_size": world, "node_size": node, "num_nodes": world // node, "param_shard_size": d_p,
+            "grad_shard_size": d_g, "optimizer_shard_size": d_o, "auto_reason": auto_reason}
+
+
+def results_with_layouts() -> dict:
+    """The synthetic run plus an override arm, each arm with its recorded layout and AsyncHZP's memory roles."""
+    results = synthetic_results(optional=False)
+    arms = results["arms"]
+    arms["zero3"]["layout"] = _layout(8, 4, 8, 8, 8)
+    arms["hpz"]["layout"] = _layout(8, 4, 4, 8, 8)
+    arms["hpz"]["model_state_bytes"] = {"param_primary": 1_000_000, "param_secondary": 2_000_000,
+                                        "grad_primary": 500_000, "master": 4_000_000, "total": 7_500_000}
+    arms["asynchzp"]["layout"] = _layout(8, 4, 4, 4, 8)
+    arms["asynchzp"]["layout_text"] = "async_hzp layout: world=8 (2 node(s) x 4 ranks); params sharded over 4"
+    arms["asynchzp"]["model_state_bytes"] = {"param_shard": 1_500_000, "grad_shard": 1_500_000, "master": 1_000_000,
+                                             "optimizer_state": 2_000_000, "total": 6_000_000}
+    arms[OVERRIDE_ARM] = dict(copy.deepcopy(arms["asynchzp"]), layout=_layout(8, 4, 2, 2, 8, "fits 0.5 GB"),
+                              model_state_bytes={"param_shard": 3_000_000, "grad_shard": 3_000_000,
+                                                 "master": 1_000_000, "optimizer_state": 2_000_000,
+                                                 "total": 9_000_000})
+    results["config"]["arms"].append(OVERRIDE_ARM)
+    results["config"]["arm_overrides"][OVERRIDE_ARM] = {"async_hzp": {"node_size": 4, "param_shard_size": 2}}
+    return results
+
+
+def section_rows(text: str, title: str) -> dict:
+    """{arm: {column: cell}} of the first table under `## title`."""
+    section = text.split(f"## {title}", 1)[1].split("\n## ", 1)[0]
+    return table_rows(section)
+
+
+def table_rows(text: str) -> dict:
+    lines = [line for line in text.splitlines() if line.startswith("|")]
+    header = [c.strip() for c in lines[0].strip("|").split(" | ")]
+    return {row[0]: dict(zip(header, row)) for row in
+            ([c.strip() for c in line.strip("|").split(" | ")] for line in lines[2:])}
+
+
+ROLES = ["param_primary", "param_secondary", "param_shard", "grad_primary", "grad_shard", "master", "optimizer_state"]
+
+
+def test_report_names_each_arms_layout_and_memory_per_role(tmp_path):
+    results = results_with_layouts()
+    text = report.write_report(results, tmp_path).read_text(encoding="utf-8")
+    assert list(results_rows(text)) == ["zero3", "hpz", "asynchzp", OVERRIDE_ARM]  # the spec names the arm
+
+    layout = section_rows(text, "Layout")
+    assert [layout[a]["d_p"] + "/" + layout[a]["d_g"] + "/" + layout[a]["d_o"] for a in layout] == [
+        "8/8/8", "4/8/8", "4/4/8", "2/2/8"]
+    assert (layout[OVERRIDE_ARM]["param replicas"], layout[OVERRIDE_ARM]["grad replicas"],
+            layout[OVERRIDE_ARM]["optimizer replicas"]) == ("4", "4", "1")
+    assert layout[OVERRIDE_ARM]["nodes x ranks"] == "2 x 4"
+    assert "- `asynchzp`: async_hzp layout: world=8 (2 node(s) x 4 ranks); params sharded over 4\n" in text
+    assert f"- `{OVERRIDE_ARM}`: async_hzp layout: world=8 (2 node(s) x 4 ranks); params sharded over 4; " \
+           "\"auto\": fits 0.5 GB" in text
+    assert f"- `{OVERRIDE_ARM}`: optimizer `HierarchicalZeroOptimizer`; layout d_p/d_g/d_o = 2/2/8 " \
+           "(replicas 4/4/1); overrides: `async_hzp={\"node_size\": 4, \"param_shard_size\": 2}`" in text
+
+    memory = section_rows(text, "Model-state memory")
+    # The union of every arm's roles, in a fixed order, plus the total; 0 where an arm has no such role.
+    assert list(memory["zero3"]) == ["arm", *ROLES, "total"]
+    for arm, entry in results["arms"].items():
+        state = entry["model_state_bytes"]
+        for role in ROLES:
+            assert memory[arm][role] == f"{state.get(role, 0) / 1e6:.3f}"
+        assert memory[arm]["total"] == f"{state['total'] / 1e6:.3f}"
+    assert memory["asynchzp"]["param_primary"] == "0.000" and memory["hpz"]["param_secondary"] == "2.000"
+    assert_valid_pngs(tmp_path)
+
+
+def test_summary_table_shows_layout_and_memory_per_role():
+    from ds_asynchzp.bench.table import format_table
+
+    results = results_with_layouts()
+    summary = format_table(results)
+    assert summary.splitlines()[2].startswith("| zero3")  # the comparison table still comes first
+    rows = table_rows(summary.split("Layout and model-state memory per role", 1)[1])
+    assert list(rows) == ["zero3", "hpz", "asynchzp", OVERRIDE_ARM]
+    assert rows[OVERRIDE_ARM]["d_p/d_g/d_o"] == "2/2/8" and rows[OVERRIDE_ARM]["replicas p/g/o"] == "4/4/1"
+    assert rows["hpz"]["d_p/d_g/d_o"] == "4/8/8" and rows["hpz"]["replicas p/g/o"] == "2/1/1"
+    assert list(rows["zero3"])[3:] == [f"{r} MB" for r in ROLES] + ["model-state total MB"]
+    assert rows[OVERRIDE_ARM]["param_shard MB"] == "3.000" and rows[OVERRIDE_ARM]["param_primary MB"] == "0.000"
+    assert rows["hpz"]["model-state total MB"] == "7.500"
+
+
+def test_runs_without_recorded_layouts_say_so():
+    from ds_asynchzp.bench.table import format_table
+
+    rows = table_rows(format_table(synthetic_results(optional=False)).split("per role", 1)[1])
+    assert rows["zero3"]["d_p/d_g/d_o"] == "n/a"

@@ -59,6 +59,9 @@ def aggregate_arm(rank_results: list, warmup: int, tokens_per_step: int) -> dict
         "collective_calls_per_step": mean_over_ranks(lambda st: st["calls"]),
         "peak_memory_bytes": max(r["peak_rss_bytes"] for r in by_rank),
         "model_state_bytes": by_rank[0]["model_state_bytes"],
+        # The resolved group sizes (the same on every rank; rank 0's), and their one-line description.
+        "layout": by_rank[0].get("layout"),
+        "layout_text": by_rank[0].get("layout_text"),
         "optimizer_class": classes[0] if len(classes) == 1 else ",".join(classes),
         # Whole job (all ranks); the per-rank figure is below.
         "tokens_per_s": tokens_per_step / median_step if median_step > 0 else None,

@@ -14,9 +14,11 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .aggregate import aggregate_arm, merge_repeats
@@ -34,6 +36,10 @@ ARMS = {
                  "HierarchicalZeroOptimizer"),
 }
 DEFAULT_ARMS = "zero3,hpz,asynchzp"
+# Arms built on the ds_config's "async_hzp" section: only these take `BASE:key=value` overrides of that section.
+OVERRIDABLE_ARMS = ("asynchzp",)
+# Section keys an arm spec may not set: "enabled": false would train stock ZeRO-3 under an AsyncHZP name.
+FORBIDDEN_OVERRIDE_KEYS = {"enabled": "an asynchzp arm always enables the section; run the zero3 arm for stock ZeRO-3"}
 
 # ZeRO-3 settings shared by every arm, so that only the arm-specific key differs between runs.
 # Persistence thresholds 0 partition every parameter (small models would otherwise keep most of them whole);
@@ -94,7 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Compare ZeRO-3, ZeRO++ hpZ and AsyncHZP on local CPU ranks: same model, data and seed; "
                     "reports loss agreement, intra/inter-node bytes, step time and memory.")
     parser.add_argument("--arms", default=DEFAULT_ARMS,
-                        help=f"comma-separated arms to run, in order; known: {', '.join(ARMS)} (default: %(default)s)")
+                        help=f"comma-separated arms to run, in order; known: {', '.join(ARMS)}. An asynchzp arm "
+                             "may override keys of its ds_config's async_hzp section: BASE:key=value[:key=value]..., "
+                             "e.g. asynchzp:param_shard_size=1:grad_shard_size=2 (integers or \"auto\"); the whole "
+                             "spec names the arm in every output (default: %(default)s)")
     parser.add_argument("--nproc", type=_positive_int, default=4,
                         help="ranks (processes) to start (default: %(default)s)")
     parser.add_argument("--node-size", type=_positive_int, default=2,
@@ -147,22 +156,143 @@ def cpu_supports_fp16() -> bool:
         return False
 
 
+# ----------------------------------------------------------------------------------------------- arm specs
+class ArmSpecError(ValueError):
+    """A malformed ``--arms`` entry; the message names the spec (and the key, where one is at fault)."""
+
+
+@dataclass(frozen=True)
+class ArmSpec:
+    """One ``--arms`` entry, ``BASE[:key=value]...``: a known arm plus overrides of its ``async_hzp`` section.
+
+    `name` is the spec exactly as given; it names the arm everywhere (results.json, tables, plots, report)."""
+
+    name: str
+    base: str
+    overrides: dict = field(default_factory=dict)
+
+    @property
+    def identity(self) -> tuple:
+        # Same base and same overrides in any order: the same configuration, however it is spelled.
+        return self.base, tuple(sorted(self.overrides.items()))
+
+
+def override_keys() -> list[str]:
+    """Keys of the ``async_hzp`` section an arm spec may override (the section's own fields)."""
+    from ds_asynchzp.config import AsyncHZPConfig
+
+    return [k for k in AsyncHZPConfig.model_fields if k not in FORBIDDEN_OVERRIDE_KEYS]
+
+
+_INT = re.compile(r"[+-]?\d+")
+
+
+def _override_value(text: str):
+    """An override value as the JSON section would hold it: integers (shard and node sizes) or "auto"; also
+    numbers for memory_budget_gb, true/false and null, so every key of the section can be spelled."""
+    lowered = text.lower()
+    if lowered == "auto":
+        return "auto"
+    if _INT.fullmatch(text):
+        return int(text)
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered in ("null", "none"):
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"value {text!r} is not an integer or \"auto\"") from None
+
+
+def parse_arm_spec(spec: str) -> ArmSpec:
+    """Parse ``BASE[:key=value]...``; raises `ArmSpecError` naming the spec, the offending key and the valid keys."""
+    base, *parts = [p.strip() for p in spec.strip().split(":")]
+    name = spec.strip()
+    if base not in ARMS:
+        raise ArmSpecError(f"unknown arm(s) {base!r} in arm spec {name!r}; choose from {', '.join(ARMS)}"
+                           if parts else f"unknown arm(s) {base!r}; choose from {', '.join(ARMS)}")
+    if not parts:
+        return ArmSpec(name, base, {})
+    valid = override_keys()
+    overrides: dict = {}
+    for part in parts:
+        key, sep, raw = (s.strip() for s in part.partition("="))
+        if not sep or not key or not raw:
+            raise ArmSpecError(f"arm spec {name!r}: override {part!r} is not key=value (syntax: "
+                               f"BASE[:key=value]...); valid keys: {', '.join(valid)}")
+        if base not in OVERRIDABLE_ARMS:
+            raise ArmSpecError(f"arm spec {name!r}: arm {base!r} takes no overrides (key {key!r}); only "
+                               f"{', '.join(OVERRIDABLE_ARMS)} arms take async_hzp keys (valid keys: "
+                               f"{', '.join(valid)})")
+        if key in FORBIDDEN_OVERRIDE_KEYS:
+            raise ArmSpecError(f"arm spec {name!r}: key {key!r} cannot be overridden ({FORBIDDEN_OVERRIDE_KEYS[key]}); "
+                               f"valid keys: {', '.join(valid)}")
+        if key not in valid:
+            raise ArmSpecError(f"arm spec {name!r}: unknown key {key!r}; valid keys: {', '.join(valid)}")
+        if key in overrides:
+            raise ArmSpecError(f"arm spec {name!r}: key {key!r} given twice")
+        try:
+            overrides[key] = _override_value(raw)
+        except ValueError as exc:
+            raise ArmSpecError(f"arm spec {name!r}: key {key!r}: {exc}") from None
+    return ArmSpec(name, base, overrides)
+
+
+def parse_arm_specs(text: str) -> list[ArmSpec]:
+    """The comma-separated ``--arms`` value, in order; rejects an empty list and arms given twice."""
+    specs = [parse_arm_spec(a) for a in text.split(",") if a.strip()]
+    if not specs:
+        raise ArmSpecError("give at least one arm")
+    names = [s.name for s in specs]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ArmSpecError(f"arm(s) listed twice: {', '.join(duplicates)}")
+    first: dict = {}
+    for s in specs:
+        if s.identity in first:
+            raise ArmSpecError(f"arm(s) listed twice: {first[s.identity]!r} and {s.name!r} are the same "
+                               "configuration")
+        first[s.identity] = s.name
+    return specs
+
+
+def _check_arm_config(spec: ArmSpec, args: argparse.Namespace) -> None:
+    """Run the engine's own config check on an overridden arm now, so a bad value fails before any rank starts.
+
+    With "auto" sizes the layout depends on the model's padded parameter count, which the engine computes; then
+    only the section itself is validated here and the engine resolves the rest at start-up."""
+    from ds_asynchzp.config import resolve_layout, section_from_ds_config
+    from ds_asynchzp.errors import AsyncHZPConfigError
+
+    config = ds_config_for(spec.name, args)
+    try:
+        if "auto" in spec.overrides.values():
+            section_from_ds_config(config)
+        else:
+            resolve_layout(config, args.nproc, args.node_size)
+    except AsyncHZPConfigError as exc:
+        raise ArmSpecError(f"arm spec {spec.name!r}: {exc}") from None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse and cross-check the flags; every error exits through argparse before any rank starts."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    if not arms:
-        parser.error("--arms: give at least one arm")
-    unknown = [a for a in arms if a not in ARMS]
-    if unknown:
-        parser.error(f"--arms: unknown arm(s) {', '.join(map(repr, unknown))}; choose from {', '.join(ARMS)}")
-    duplicates = sorted({a for a in arms if arms.count(a) > 1})
-    if duplicates:
-        parser.error(f"--arms: arm(s) listed twice: {', '.join(duplicates)}")
-    args.arms = arms
+    try:
+        specs = parse_arm_specs(args.arms)
+    except ArmSpecError as exc:
+        parser.error(f"--arms: {exc}")
+    args.arms = [s.name for s in specs]
+    args.arm_specs = {s.name: s for s in specs}
     if args.nproc % args.node_size:
         parser.error(f"--nproc {args.nproc} is not a multiple of --node-size {args.node_size}")
+    for spec in specs:
+        if spec.overrides:
+            try:
+                _check_arm_config(spec, args)
+            except ArmSpecError as exc:
+                parser.error(f"--arms: {exc}")
     if args.dtype == "fp16" and not cpu_supports_fp16():
         parser.error("--dtype fp16: DeepSpeed's CPU accelerator refuses fp16 on this host (oneDNN has no fp16 "
                      "support for this CPU); use --dtype bf16 or fp32")
@@ -183,10 +313,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _spec(arm: str, args: argparse.Namespace) -> ArmSpec:
+    specs = getattr(args, "arm_specs", None) or {}
+    return specs[arm] if arm in specs else parse_arm_spec(arm)
+
+
+def arm_overrides(arm: str, args: argparse.Namespace) -> dict:
+    """What the arm's ds_config adds to the shared one, as recorded in results.json (``config.arm_overrides``)."""
+    spec = _spec(arm, args)
+    if spec.base == "hpz":
+        return {"zero_optimization.zero_hpz_partition_size": args.node_size}
+    if spec.base in OVERRIDABLE_ARMS:
+        return {"async_hzp": {"node_size": args.node_size, **spec.overrides}}
+    return {}
+
+
 def ds_config_for(arm: str, args: argparse.Namespace) -> dict:
-    """The full ds_config of one arm: shared knobs plus the arm's own key."""
+    """The full ds_config of one arm (a spec such as ``asynchzp:param_shard_size=1``): shared knobs plus the
+    arm's own key, and the spec's overrides in its ``async_hzp`` section."""
+    spec = _spec(arm, args)
     zero = dict(ZERO3_KNOBS)
-    if arm == "hpz":
+    if spec.base == "hpz":
         zero["zero_hpz_partition_size"] = args.node_size
     config = {
         "train_micro_batch_size_per_gpu": args.micro_batch,
@@ -201,8 +348,8 @@ def ds_config_for(arm: str, args: argparse.Namespace) -> dict:
         config["bf16"] = {"enabled": True}
     elif args.dtype == "fp16":
         config["fp16"] = {"enabled": True, "initial_scale_power": FP16_INITIAL_SCALE_POWER}
-    if arm == "asynchzp":
-        config["async_hzp"] = {"node_size": args.node_size}
+    if spec.base in OVERRIDABLE_ARMS:
+        config["async_hzp"] = {"node_size": args.node_size, **spec.overrides}
     return config
 
 
@@ -267,10 +414,10 @@ def run_config(args: argparse.Namespace) -> dict:
         "out": str(args.out),
         "timeout_s": args.timeout,
         "zero_optimization": dict(ZERO3_KNOBS),
-        "arm_overrides": {
-            "hpz": {"zero_optimization.zero_hpz_partition_size": args.node_size},
-            "asynchzp": {"async_hzp": {"node_size": args.node_size}},
-        },
+        # Keyed by the arm's full spec; arms without overrides (zero3) are left out.
+        "arm_overrides": {arm: arm_overrides(arm, args) for arm in args.arms if arm_overrides(arm, args)},
+        "arm_specs": {arm: {"base": _spec(arm, args).base, "overrides": dict(_spec(arm, args).overrides)}
+                      for arm in args.arms},
         "tokens_per_optimizer_step": tokens_per_optimizer_step(args),
         "model_parameters": _model_parameter_count(args),
         "repeats": args.repeats,
@@ -300,7 +447,7 @@ def _payload(arm: str, args: argparse.Namespace) -> dict:
     return {
         "arm": arm,
         "ds_config": ds_config_for(arm, args),
-        "expected_optimizer": ARMS[arm][1],
+        "expected_optimizer": ARMS[_spec(arm, args).base][1],
         "model": args.model,
         "moe_experts": args.moe_experts,
         "seq_len": args.seq_len,
@@ -312,8 +459,13 @@ def _payload(arm: str, args: argparse.Namespace) -> dict:
     }
 
 
+def _log_dir_name(arm: str) -> str:
+    # "asynchzp:param_shard_size=1" -> "asynchzp_param_shard_size=1": no ':' in paths (PATH-like lists, Windows).
+    return re.sub(r"[^A-Za-z0-9._=+-]", "_", arm)
+
+
 def _run_arms(args: argparse.Namespace, results: dict, cluster=None) -> None:
-    from ds_asynchzp.launch import launch_local
+    from ds_asynchzp.bench.launch import launch_local
 
     out = Path(args.out)
     entries = {arm: [] for arm in args.arms}
@@ -327,7 +479,8 @@ def _run_arms(args: argparse.Namespace, results: dict, cluster=None) -> None:
         for arm in args.arms:
             index += 1
             label = f"[{index}/{total}] {arm}" + (f" (repeat {repeat + 1})" if args.repeats > 1 else "")
-            workdir = out / "logs" / (arm if args.repeats == 1 else f"{arm}-{repeat + 1}")
+            logs = _log_dir_name(arm)
+            workdir = out / "logs" / (logs if args.repeats == 1 else f"{logs}-{repeat + 1}")
             print(f"{label}: {args.nproc} ranks ({args.nproc // args.node_size} nodes x {args.node_size})", flush=True)
             started = time.monotonic()
             payload = dict(_payload(arm, args), launched_at=time.time(), read_link_counter=cluster is not None)
@@ -366,7 +519,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from ds_asynchzp.launch import RankFailure
+    from ds_asynchzp.bench.launch import RankFailure
     from ds_asynchzp.netem import ClusterError
 
     started = time.monotonic()

@@ -16,15 +16,15 @@ import statistics
 import sys
 from pathlib import Path
 
-from .table import MB, REFERENCE_ARM, max_rel_loss_diff
+from .table import LAYOUT_LEGEND, MB, REFERENCE_ARM, layout_cells, max_rel_loss_diff, memory_roles, role_bytes
 
 NA = "n/a"
 PLOTS = ("loss.png", "bytes.png", "step_time.png")
 ARM_STYLES = {"zero3": ("tab:gray", "-", 3.5), "hpz": ("tab:orange", "--", 2.2), "asynchzp": ("tab:blue", ":", 2.2)}
+# Colours for the other arms (layout overrides such as asynchzp:param_shard_size=1), none shared with ARM_STYLES.
+EXTRA_COLORS = ("tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
 # Collective kinds in a fixed order so colours and table rows match across runs; unknown kinds follow, sorted.
 OP_ORDER = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "reduce", "all_to_all", "send", "recv")
-STATE_ORDER = ("param_primary", "param_secondary", "param_shard", "master", "optimizer_state", "grad_primary",
-               "grad_shard")
 # Recorded tokens/s and step times describe the same run; anything looser than this means a broken results file.
 CONSISTENCY_RTOL = 1e-6
 
@@ -168,9 +168,30 @@ def _workload(results: dict) -> list[str]:
     overrides = config.get("arm_overrides") or {}
     for arm, entry in arms.items():
         extra = overrides.get(arm)
-        lines.append(f"- `{arm}`: optimizer `{entry.get('optimizer_class', NA)}`; overrides: "
+        sizes, replicas = layout_cells(entry)
+        layout = NA + " (not recorded)" if sizes == NA else f"d_p/d_g/d_o = {sizes} (replicas {replicas})"
+        lines.append(f"- `{arm}`: optimizer `{entry.get('optimizer_class', NA)}`; layout {layout}; overrides: "
                      + (", ".join(f"`{k}={json.dumps(v)}`" for k, v in extra.items()) if extra else "none"))
     return lines + [""]
+
+
+def _layout(arms: dict) -> list[str]:
+    rows, texts = [], []
+    for arm, entry in arms.items():
+        layout = entry.get("layout") or {}
+        sizes, replicas = layout_cells(entry)
+        nodes, per_node = layout.get("num_nodes"), layout.get("node_size")
+        rows.append([arm, *(sizes.split("/") if sizes != NA else [NA] * 3),
+                     *(replicas.split("/") if replicas != NA else [NA] * 3),
+                     NA if nodes is None or per_node is None else f"{nodes} x {per_node}"])
+        described = [t for t in (entry.get("layout_text"),
+                                 layout.get("auto_reason") and f"\"auto\": {layout['auto_reason']}") if t]
+        if described:
+            texts.append(f"- `{arm}`: " + "; ".join(described))
+    return ["## Layout", "",
+            *_md_table(["arm", "d_p", "d_g", "d_o", "param replicas", "grad replicas", "optimizer replicas",
+                        "nodes x ranks"], rows), "", *texts, *([""] if texts else []),
+            LAYOUT_LEGEND + " n/a: the run did not record a layout.", ""]
 
 
 def _results_table(arms: dict, stats: dict) -> list[str]:
@@ -241,11 +262,15 @@ def _parity(arms: dict) -> list[str]:
 
 
 def _memory(arms: dict) -> list[str]:
-    roles = {r for e in arms.values() for r in (e.get("model_state_bytes") or {}) if r != "total"}
-    roles = [r for r in STATE_ORDER if r in roles] + sorted(roles - set(STATE_ORDER))
-    rows = [[arm] + [_mb((e.get("model_state_bytes") or {}).get(r)) for r in (*roles, "total")]
+    roles = memory_roles(arms)
+    rows = [[arm] + [_mb(role_bytes(e, r)) for r in roles] + [_mb((e.get("model_state_bytes") or {}).get("total"))]
             for arm, e in arms.items()]
-    return ["## Model-state memory (rank 0, MB)", "", *_md_table(["arm", *roles, "total"], rows), ""]
+    return ["## Model-state memory (rank 0, MB)", "", *_md_table(["arm", *roles, "total"], rows), "",
+            "Bytes of the tensors holding each role on rank 0, each storage counted once "
+            "(`ds_asynchzp.accounting.memory.model_state_bytes`); every role any arm has gets a column, 0 where an "
+            "arm has none. param_primary / param_secondary / grad_primary: stock ZeRO-3 and hpZ partitions; "
+            "param_shard / grad_shard: AsyncHZP's intra-node shards; master and optimizer_state: fp32 master weights "
+            "and Adam moments.", ""]
 
 
 HOW_TO_READ = """## How to read this
@@ -277,16 +302,28 @@ def _new_figure(rows: int, cols: int, size: tuple[float, float], **kwargs):
     return fig, fig.subplots(rows, cols, squeeze=False, **kwargs)
 
 
-def _style(arm: str, index: int) -> tuple[str, str, float]:
-    return ARM_STYLES.get(arm, (f"C{index}", "-.", 2.0))
+def _style(arm: str, arms) -> tuple[str, str, float]:
+    """Fixed styles for the stock arm names; the other arms take distinct colours in their order of appearance."""
+    if arm in ARM_STYLES:
+        return ARM_STYLES[arm]
+    others = [a for a in arms if a not in ARM_STYLES]
+    return EXTRA_COLORS[others.index(arm) % len(EXTRA_COLORS)], "-.", 2.0
+
+
+def _arm_ticks(ax, names: list[str]) -> None:
+    # Spec names (asynchzp:param_shard_size=1) are long: slant them so neighbours do not overlap.
+    if any(len(n) > 12 for n in names):
+        ax.tick_params(axis="x", labelrotation=20)
+        for label in ax.get_xticklabels():
+            label.set_horizontalalignment("right")
 
 
 def _plot_loss(arms: dict, path: Path) -> None:
     fig, axes = _new_figure(2, 1, (8, 7), sharex=True)
     ax_loss, ax_diff = axes[0, 0], axes[1, 0]
     ref = arms.get(REFERENCE_ARM)
-    for i, (arm, entry) in enumerate(arms.items()):
-        color, dash, width = _style(arm, i)
+    for arm, entry in arms.items():
+        color, dash, width = _style(arm, arms)
         steps = range(1, len(entry["losses"]) + 1)
         ax_loss.plot(steps, entry["losses"], dash, color=color, linewidth=width, marker="o", markersize=4, label=arm)
         if ref is None or arm == REFERENCE_ARM:
@@ -337,6 +374,7 @@ def _plot_bytes(arms: dict, stats: dict, path: Path) -> None:
                 if points:
                     ax.scatter(*zip(*points), s=80, zorder=3, label=label, **style)
         ax.set(title=f"{title} (ring model, per rank)", xlabel="arm")
+        _arm_ticks(ax, names)
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize="small")
     tallest = max(max(s["intra"], s["inter"], s["link"] or 0, s["wire"] or 0) for s in stats.values()) / MB
@@ -351,7 +389,7 @@ def _plot_step_time(arms: dict, stats: dict, path: Path) -> None:
     ax, names = axes[0, 0], list(arms)
     ref = stats.get(REFERENCE_ARM)
     medians = [stats[a]["step_median"] for a in names]
-    ax.bar(names, medians, color=[_style(a, i)[0] for i, a in enumerate(names)], alpha=0.75, label="median")
+    ax.bar(names, medians, color=[_style(a, names)[0] for a in names], alpha=0.75, label="median")
     exposed = [stats[a]["exposed"] for a in names]
     if any(e is not None for e in exposed):
         ax.bar(names, [e or 0.0 for e in exposed], fill=False, hatch="//", edgecolor="black",
@@ -371,6 +409,7 @@ def _plot_step_time(arms: dict, stats: dict, path: Path) -> None:
         ax.text(x, (floor + medians[x]) / 2, label,
                 ha="center", va="center", bbox={"facecolor": "white", "alpha": 0.7, "edgecolor": "none"})
     ax.set(title="Time per optimizer step (slowest rank)", xlabel="arm", ylabel="seconds per optimizer step")
+    _arm_ticks(ax, names)
     ax.set_ylim(0, max(max(s["samples"]) for s in stats.values()) * 1.3)  # headroom for the legend
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize="small", loc="upper center", ncols=4)
@@ -393,7 +432,7 @@ def write_report(results: dict, out_dir: Path) -> Path:
     title = (f"# asynchzp-bench A/B report: {', '.join(arms)} on `{config.get('model', NA)}`, "
              f"{config.get('world_size') or config.get('nproc', NA)} CPU ranks")
     lines = [title, "", *_provenance(env, config), *_workload(results), *_results_table(arms, stats),
-             *_bytes_table(arms), *_parity(arms), *_memory(arms), "## Plots", "",
+             *_bytes_table(arms), *_parity(arms), *_layout(arms), *_memory(arms), "## Plots", "",
              "![loss per optimizer step and relative difference vs zero3](loss.png)", "",
              "![bytes per optimizer step by collective kind](bytes.png)", "",
              "![time per optimizer step](step_time.png)", "",

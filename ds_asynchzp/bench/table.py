@@ -14,6 +14,12 @@ MB = 1e6  # decimal megabytes, stated in the legend
 # Pipes inside a cell are escaped so the Markdown table keeps its columns.
 COLUMNS = ("arm", "final loss", r"max \|loss rel diff\| vs zero3", "intra MB/step", "inter MB/step",
            "inter ratio vs zero3", "median step s", "peak RSS MB", "model-state MB")
+# Model-state roles in a fixed order (parameters, gradients, master weights, optimizer states); roles recorded by
+# `ds_asynchzp.accounting.memory.model_state_bytes` but not listed here follow, sorted.
+ROLE_ORDER = ("param_primary", "param_secondary", "param_shard", "grad_primary", "grad_shard", "master",
+              "optimizer_state")
+# layout key -> its short name in the tables.
+SHARD_SIZES = (("param_shard_size", "d_p"), ("grad_shard_size", "d_g"), ("optimizer_shard_size", "d_o"))
 
 
 def max_rel_loss_diff(losses: list[float], reference: list[float]) -> float:
@@ -47,20 +53,64 @@ def _row(arm: str, entry: dict, reference: dict | None) -> list[str]:
     ]
 
 
+def memory_roles(arms: dict) -> list[str]:
+    """Every model-state role any arm recorded (the union), in `ROLE_ORDER`; "total" is not a role."""
+    roles = {r for e in arms.values() for r in (e.get("model_state_bytes") or {}) if r != "total"}
+    return [r for r in ROLE_ORDER if r in roles] + sorted(roles - set(ROLE_ORDER))
+
+
+def role_bytes(entry: dict, role: str) -> float:
+    """Bytes of one role on rank 0; 0 where the arm has no such role."""
+    return (entry.get("model_state_bytes") or {}).get(role) or 0
+
+
+def layout_cells(entry: dict) -> tuple[str, str]:
+    """("d_p/d_g/d_o", "replicas p/g/o") of an arm's recorded layout; "n/a" when the run did not record one."""
+    layout = entry.get("layout") or {}
+    world = layout.get("world_size")
+    sizes = [layout.get(key) for key, _ in SHARD_SIZES]
+    if not world or not all(isinstance(v, int) and v > 0 for v in sizes):
+        return "n/a", "n/a"
+    return "/".join(map(str, sizes)), "/".join(str(world // v) for v in sizes)
+
+
+LAYOUT_LEGEND = (
+    "Layout: d_p / d_g / d_o = ranks a parameter / gradient / optimizer-state shard is split over, as the arm "
+    "resolved them; replicas = world size / shard size. For hpz, d_p is the secondary (hpZ) parameter partition "
+    "the micro-steps gather from; its primary partition spans the world.")
+
+
+def _markdown(rows: list[list[str]], text_columns: int = 1) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+
+    def line(cells: list[str]) -> str:
+        # Left-align the text columns (arm name), right-align numbers.
+        padded = [c.ljust(w) if i < text_columns else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))]
+        return "| " + " | ".join(padded) + " |"
+
+    separator = "|" + "|".join((":" + "-" * (w + 1)) if i < text_columns else ("-" * (w + 1) + ":")
+                               for i, w in enumerate(widths)) + "|"
+    return [line(rows[0]), separator, *(line(r) for r in rows[1:])]
+
+
+def format_layout_memory_table(results: dict) -> str:
+    """Per arm: resolved layout and model-state MB per role (union of the arms' roles, 0 where absent), total."""
+    arms = results["arms"]
+    roles = memory_roles(arms)
+    header = ["arm", "d_p/d_g/d_o", "replicas p/g/o", *(f"{r} MB" for r in roles), "model-state total MB"]
+    rows = [header]
+    for arm, entry in arms.items():
+        total = (entry.get("model_state_bytes") or {}).get("total")
+        rows.append([arm, *layout_cells(entry), *(f"{role_bytes(entry, r) / MB:.3f}" for r in roles),
+                     "n/a" if total is None else f"{total / MB:.3f}"])
+    return "\n".join(_markdown(rows, text_columns=3))
+
+
 def format_table(results: dict) -> str:
     """Markdown table of every arm in `results` (the results.json structure), plus a short legend."""
     arms = results["arms"]
     reference = arms.get(REFERENCE_ARM)
     rows = [list(COLUMNS)] + [_row(arm, entry, reference) for arm, entry in arms.items()]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
-
-    def line(cells: list[str]) -> str:
-        # Left-align the arm name, right-align numbers.
-        padded = [c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))]
-        return "| " + " | ".join(padded) + " |"
-
-    separator = "|" + "|".join(("-" * (w + 1) + ":") if i else (":" + "-" * (w + 1))
-                               for i, w in enumerate(widths)) + "|"
     config = results.get("config", {})
     legend = (
         f"{config.get('model', '?')} model, {config.get('nproc', '?')} ranks in nodes of "
@@ -70,4 +120,5 @@ def format_table(results: dict) -> str:
         "Bytes: ring-model wire bytes sent per rank per optimizer step (mean over ranks); MB = 10^6 bytes. "
         "Losses: mean over ranks. Step time: slowest rank. Peak RSS: largest rank. Model-state: rank 0."
     )
-    return "\n".join([line(rows[0]), separator, *(line(r) for r in rows[1:]), "", legend])
+    return "\n".join([*_markdown(rows), "", legend, "", "Layout and model-state memory per role (rank 0):", "",
+                      format_layout_memory_table(results), "", LAYOUT_LEGEND])

@@ -1,6 +1,6 @@
 """One rank of one benchmark arm: train the benchmark model and report what was measured.
 
-Run by `ds_asynchzp.launch.launch_local` as ``ds_asynchzp.bench.worker:run_arm`` in a fresh process per
+Run by `ds_asynchzp.bench.launch.launch_local` as ``ds_asynchzp.bench.worker:run_arm`` in a fresh process per
 rank and per arm: DeepSpeed keeps process-wide state (the hpZ group, the comm backend, the ledger's
 wrappers), so arms never share an interpreter.
 
@@ -49,6 +49,42 @@ def _peak_rss_bytes() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+LAYOUT_KEYS = ("world_size", "node_size", "num_nodes", "param_shard_size", "grad_shard_size", "optimizer_shard_size",
+               "auto_reason")
+
+
+def stock_layout(ds_config: dict, world: int, node_size: int) -> tuple[dict, str]:
+    """The layout dict (keys `LAYOUT_KEYS`) and a one-line description of a stock ZeRO-3 arm.
+
+    Stock ZeRO-3 shards parameters, gradients and optimizer states over the whole world; ZeRO++ hpZ adds a
+    secondary parameter partition over ``zero_hpz_partition_size`` ranks, from which the micro-steps gather, so
+    that is its parameter shard size (the primary partition stays over the world, as do grads and optimizer)."""
+    hpz = int((ds_config.get("zero_optimization") or {}).get("zero_hpz_partition_size") or 1)
+    param = hpz if hpz > 1 else world
+    layout = {"world_size": world, "node_size": node_size, "num_nodes": world // node_size,
+              "param_shard_size": param, "grad_shard_size": world, "optimizer_shard_size": world, "auto_reason": None}
+    where = f"world={world} ({world // node_size} node(s) x {node_size} ranks)"
+    if hpz > 1:
+        text = (f"ZeRO++ hpZ layout: {where}; params: primary partition over {world}, secondary over {hpz} "
+                f"({world // hpz} replicas); grads and optimizer states over {world}")
+    else:
+        text = f"ZeRO-3 layout: {where}; params, grads and optimizer states sharded over {world} (1 replica)"
+    return layout, text
+
+
+def _layout_of(engine, ds_config: dict, world: int, node_size: int) -> tuple[dict, str]:
+    """The resolved layout this rank trains with: AsyncHZP's own, else the stock arm's."""
+    hzp = getattr(engine.optimizer, "hzp_layout", None)
+    if hzp is None:
+        return stock_layout(ds_config, world, node_size)
+    if hasattr(hzp, "as_dict"):
+        layout = dict(hzp.as_dict())
+    else:  # a layout object without as_dict(): its dataclass fields
+        layout = {k: v for k, v in dataclasses.asdict(hzp).items() if k in LAYOUT_KEYS}
+    layout.setdefault("auto_reason", None)
+    return layout, hzp.describe()
+
+
 PROGRESS_MARK = "asynchzp-bench-step"
 LINK_DEVICE = "eth0"
 
@@ -85,8 +121,8 @@ def run_arm(payload: dict) -> dict:
     import torch
 
     import ds_asynchzp
-    from ds_asynchzp import ledger
-    from ds_asynchzp.memory import model_state_bytes
+    from ds_asynchzp.accounting import ledger
+    from ds_asynchzp.accounting.memory import model_state_bytes
 
     from .data import batch_for
     from .model import build_model
@@ -103,6 +139,7 @@ def run_arm(payload: dict) -> dict:
                                         model_parameters=[p for p in model.parameters() if p.requires_grad],
                                         config=payload["ds_config"])
     optimizer_class = _check_optimizer(engine, payload["expected_optimizer"])
+    layout, layout_text = _layout_of(engine, payload["ds_config"], world, payload["node_size"])
     phase_done("initialize_s")
 
     grad_accum, micro_batch, seq_len = payload["grad_accum"], payload["micro_batch"], payload["seq_len"]
@@ -152,5 +189,7 @@ def run_arm(payload: dict) -> dict:
         "steps": steps,
         "startup_s": phases,
         "model_state_bytes": model_states,
+        "layout": layout,
+        "layout_text": layout_text,
         "peak_rss_bytes": _peak_rss_bytes(),
     }
