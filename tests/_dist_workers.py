@@ -1,4 +1,4 @@
-"""Rank-side code of the multi-rank tests (run by ds_asynchzp.launch in fresh processes).
+"""Rank-side code of the multi-rank tests (run by ds_asynchzp.bench.launch in fresh processes).
 
 One launch trains several cases one after another on the same ranks (process start-up dominates the cost on a
 small machine), and compares each case with its stock ZeRO-3 baseline in-process.
@@ -16,16 +16,20 @@ import deepspeed
 import torch
 
 import ds_asynchzp
-from ds_asynchzp import ledger
+from ds_asynchzp.accounting import ledger
 from ds_asynchzp.bench.cli import ZERO3_KNOBS as BENCH_ZERO3_KNOBS
 from ds_asynchzp.bench.data import batch_for
 from ds_asynchzp.bench.model import MODEL_PRESETS, build_model
-from ds_asynchzp.memory import model_state_bytes
-from ds_asynchzp.sizing import padded_num_params
+from ds_asynchzp.accounting.memory import model_state_bytes
+from ds_asynchzp.accounting.sizing import padded_num_params
 
 # The benchmark's ZeRO-3 knobs (every arm the same; nothing stays gathered between passes), with small
 # gradient buckets so several bucket flushes happen per backward.
 ZERO3_KNOBS = dict(BENCH_ZERO3_KNOBS, reduce_bucket_size=20000)
+# What users run: DeepSpeed's own defaults for persistence threshold, prefetch bucket, max live parameters,
+# reuse distance and overlap_comm (only the bucket is small, for several flushes per backward).
+DEFAULT_KNOBS = {"stage": 3, "reduce_bucket_size": 20000}
+BUCKET_ELEMENTS = 20000
 
 
 def ds_config(case: dict) -> dict:
@@ -34,7 +38,7 @@ def ds_config(case: dict) -> dict:
         "gradient_accumulation_steps": case["gas"],
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
         "gradient_clipping": case.get("clip", 1.0),
-        "zero_optimization": dict(ZERO3_KNOBS, **case.get("zero", {})),
+        "zero_optimization": dict(DEFAULT_KNOBS if case.get("default_knobs") else ZERO3_KNOBS, **case.get("zero", {})),
         "steps_per_print": 10**9,
     }
     if case.get("dtype") == "bf16":
@@ -96,11 +100,94 @@ def _shared_dir(case: dict) -> str:
     return holder[0]
 
 
+def _shards_vs_consolidated(engine) -> float:
+    """Max relative difference between what a fetch would build from AsyncHZP's parameter shards (and, for
+    persistent parameters, the data they keep) and the consolidated parameters: the fp32 master weights
+    all-gathered over the optimizer group (fp32 runs: the values the step wrote), or for frozen parameters
+    DeepSpeed's own gather of its partitions. Neither reference changes what the next step fetches."""
+    optimizer, worst = engine.optimizer, 0.0
+
+    def diff(a, b):
+        return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+    for param in sorted(engine.module.parameters(), key=lambda p: p.ds_id):
+        from_shards = optimizer.hzp_gather._start([param])[0].finish()[0].float()
+        kept = param.data.detach().float() if param.ds_status.name == "AVAILABLE" else None
+        if param.requires_grad:
+            ref = deepspeed.utils.safe_get_full_fp32_param(param).view(param.ds_shape).float()
+        elif kept is not None:
+            ref = kept
+        else:
+            with deepspeed.zero.GatheredParameters([param]):
+                ref = param.data.detach().float().clone()
+        worst = max(worst, diff(from_shards, ref), diff(kept, ref) if kept is not None else 0.0)
+    return worst
+
+
+class _LargestAllocation(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the largest tensor storage created by any op run under it (views and in-place ops create none)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                self.largest = max(self.largest, t.untyped_storage().nbytes())
+        return out
+
+
+def _record_hzp_allocations(engine, recorder) -> None:
+    """Run AsyncHZP's per-bucket gradient path, boundary reduction and refresh under `recorder`."""
+    optimizer = engine.optimizer
+    for name in ("_hzp_reduce_bucket", "partition_grads", "hzp_finish_window", "_post_step"):
+        original = getattr(optimizer, name)
+
+        def recorded(*args, _original=original, **kwargs):
+            with recorder:
+                return _original(*args, **kwargs)
+
+        setattr(optimizer, name, recorded)
+    from ds_asynchzp.runtime.deepspeed_internals import STAGE3_AVG_SCATTER_GRADS
+    setattr(optimizer, STAGE3_AVG_SCATTER_GRADS, optimizer._hzp_reduce_bucket)
+
+
+def _step_record(mark: int) -> dict:
+    summary = ledger.summary(mark)
+    records = ledger.get().since(mark)
+    summary["tags"] = {}
+    for record in records:
+        summary["tags"][record.tag] = summary["tags"].get(record.tag, 0) + 1
+    # What NCCL matches collectives by: the order of (op, group, size) on every rank.
+    summary["sequence"] = [(r.op, list(r.group_ranks), r.buffer_bytes) for r in records]
+    return summary
+
+
 def train_case(case: dict) -> dict:
     rank, world = deepspeed.comm.get_rank(), deepspeed.comm.get_world_size()
     engine = _build_engine(case)
-    losses, steps = [], []
+    optimizer_class = type(engine.optimizer).__name__
+    losses, steps, shard_diffs, safe_grads = [], [], [], []
+    recorder = None
+    if case.get("record_allocations"):
+        recorder = _LargestAllocation()
+        _record_hzp_allocations(engine, recorder)
     for step in range(case["steps"]):
+        if step == case.get("modify_at"):
+            # A user edits a weight in place on rank 0 (stock semantics: the partitions follow the broadcast).
+            weight = engine.module.blocks[0].mlp.fc.weight
+            with deepspeed.zero.GatheredParameters([weight], modifier_rank=0):
+                if rank == 0:
+                    weight.data.mul_(0.5)
+        if step == case.get("discard_backward_at"):
+            # A backward whose gradients the user throws away: nothing of it may reach the next step.
+            x, y = batch_for(step + 1000, 0, rank, world, case.get("micro_batch", 2), case.get("seq_len", 32), seed=11)
+            engine.backward(engine(x, y) * 3.0)
+            engine.optimizer.zero_grad()
         if step == case.get("resume_at"):
             # Save, throw the engine away, and continue from the checkpoint in a fresh one.
             directory = _shared_dir(case)
@@ -113,17 +200,48 @@ def train_case(case: dict) -> dict:
             x, y = batch_for(step, micro, rank, world, case.get("micro_batch", 2), case.get("seq_len", 32), seed=11)
             loss = engine(x, y)
             engine.backward(loss)
+            if case.get("safe_grad") and micro == case["gas"] - 1:
+                # Between the last backward and step(): the full gradient of the accumulation window.
+                grad = deepspeed.utils.safe_get_full_grad(engine.module.blocks[0].mlp.fc.weight)
+                safe_grads.append(float(grad.double().norm()))
             engine.step()
             total += loss.item()
         losses.append(total / case["gas"])
-        steps.append(ledger.summary(mark))
+        steps.append(_step_record(mark))
+        if case.get("check_shards"):
+            shard_diffs.append(_shards_vs_consolidated(engine))
+    if case.get("then_stock_steps"):
+        # A second engine on the same module, after destroy(): it must start from the trained weights.
+        engine.destroy()
+        module = engine.module
+        stock_config = ds_config({k: v for k, v in case.items() if k != "async_hzp"})
+        engine, *_ = deepspeed.initialize(model=module, model_parameters=[p for p in module.parameters()
+                                                                          if p.requires_grad], config=stock_config)
+        for step in range(case["steps"], case["steps"] + case["then_stock_steps"]):
+            total = 0.0
+            for micro in range(case["gas"]):
+                x, y = batch_for(step, micro, rank, world, case.get("micro_batch", 2), case.get("seq_len", 32), seed=11)
+                loss = engine(x, y)
+                engine.backward(loss)
+                engine.step()
+                total += loss.item()
+            losses.append(total / case["gas"])
     result = {
+        "largest_param_elements": max(_padded(p.ds_numel, world) for p in engine.module.parameters()),
         "losses": losses,
         "ledger_steps": steps,
-        "optimizer_class": type(engine.optimizer).__name__,
+        "optimizer_class": optimizer_class,
         "model_state_bytes": model_state_bytes(engine),
         "elements": _element_counts(engine.module, world),
+        # AsyncHZP pads each parameter to a multiple of its optimizer group, not of the world.
+        "elements_by_optimizer_group": _element_counts(
+            engine.module, engine.optimizer.hzp_layout.optimizer_shard_size)
+        if hasattr(engine.optimizer, "hzp_layout") else None,
         "grad_norm": float(engine.get_global_grad_norm()),
+        "shard_diffs": shard_diffs,
+        "safe_grads": safe_grads,
+        "largest_allocation": recorder.largest if recorder else None,
+        "layout": (engine.optimizer.hzp_layout.__dict__ if hasattr(engine.optimizer, "hzp_layout") else None),
     }
     result["final_params"] = _full_params(engine)
     engine.destroy()
@@ -145,6 +263,9 @@ def run_cases(payload: dict) -> dict:
         baseline = results.get(case.get("compare_to"))
         if baseline is not None:
             result["max_loss_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], baseline["losses"]))
+            if result["safe_grads"] and baseline["safe_grads"]:
+                result["max_safe_grad_rel_diff"] = max(abs(a - b) / abs(b) for a, b in
+                                                       zip(result["safe_grads"], baseline["safe_grads"]))
             result["bit_identical_losses"] = result["losses"] == baseline["losses"]
             result["param_rel_diff"] = {
                 n: float((result["final_params"][n] - t).abs().max() / t.abs().max().clamp_min(1e-30))

@@ -38,13 +38,54 @@ def parity_cases(node_size: int, grad_accums=(1, 4), extra=()) -> list:
     return cases + list(extra)
 
 
+def layout_case(node_size: int, d_p: int, d_g: int, d_o: int, gas: int = 4, defaults: bool = False, **extra) -> dict:
+    """AsyncHZP with explicit shard sizes, compared with stock ZeRO-3 under the same knobs."""
+    knobs = "defaults_" if defaults else ""
+    return dict({"name": f"asynchzp_{knobs}p{d_p}_g{d_g}_o{d_o}_gas{gas}", "gas": gas, "steps": STEPS,
+                 "default_knobs": defaults, "compare_to": f"zero3_{knobs}gas{gas}",
+                 "async_hzp": {"node_size": node_size, "param_shard_size": d_p, "grad_shard_size": d_g,
+                               "optimizer_shard_size": d_o}}, **extra)
+
+
+def defaults_baseline(gas: int = 4) -> dict:
+    """Stock ZeRO-3 with DeepSpeed's default knobs (persistence, prefetch, live parameters, reuse, overlap)."""
+    return {"name": f"zero3_defaults_gas{gas}", "gas": gas, "steps": STEPS, "default_knobs": True}
+
+
+# User-facing behaviours checked against stock ZeRO-3 doing exactly the same: a weight edited through
+# GatheredParameters(modifier_rank=0), a backward thrown away with zero_grad(), safe_get_full_grad between the
+# last backward and step(), and a second (stock) engine on the same module after destroy().
+HAZARDS = {"modify_at": 3, "discard_backward_at": 5, "safe_grad": True, "then_stock_steps": 2, "hazard_case": True}
+
 # (world, node_size) -> the cases its launch trains. Tests of several files share one launch per layout.
 LAUNCHES = {
     (2, 2): parity_cases(2),
-    (4, 2): parity_cases(2),
+    (4, 2): parity_cases(2, extra=[
+        # d_p < node size and d_o = node size (optimizer replicas all-reduced across nodes).
+        layout_case(2, 1, 2, 2, check_shards=True),
+        # The same run checkpointed after 5 steps and resumed in a fresh engine (DeepSpeed's format, d_o < N).
+        dict(layout_case(2, 1, 2, 2), name="resumed_p1_g2_o2_gas4", resume_at=5,
+             compare_to="asynchzp_p1_g2_o2_gas4"),
+        # d_g > d_p and d_g spanning both nodes.
+        layout_case(2, 1, 4, 4, record_allocations=True),
+        # zero_optimization.reduce_scatter = false: the grad shard group all-reduces instead, as stock does.
+        dict(layout_case(2, 2, 2, 4), name="asynchzp_allreduce_gas4", zero={"reduce_scatter": False}),
+        defaults_baseline(),
+        layout_case(2, 2, 2, 4, defaults=True, check_shards=True),
+        layout_case(2, 1, 2, 2, defaults=True),
+        dict(defaults_baseline(2), name="zero3_hazards", **HAZARDS),
+        dict(layout_case(2, 1, 2, 2, gas=2, defaults=True), name="asynchzp_hazards", compare_to="zero3_hazards",
+             **HAZARDS),
+    ]),
     (8, 2): parity_cases(2, grad_accums=(4,)),
-    (8, 4): parity_cases(4, extra=[{"name": "hpz_gas4", "gas": 4, "steps": STEPS,
-                                   "zero": {"zero_hpz_partition_size": 4}}]),
+    (8, 4): parity_cases(4, extra=[
+        # d_p < d_g inside the node, d_o = node size.
+        layout_case(4, 2, 4, 4),
+        defaults_baseline(),
+        layout_case(4, 4, 4, 8, defaults=True, check_shards=True),
+        # Last: DeepSpeed creates its hpZ group once per process, and every later engine would inherit it.
+        {"name": "hpz_gas4", "gas": 4, "steps": STEPS, "zero": {"zero_hpz_partition_size": 4}},
+    ]),
 }
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ds_asynchzp.launch import launch_local
+from ds_asynchzp.bench.launch import launch_local
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Per-launch limit: a hung collective is killed and reported instead of stalling the suite.

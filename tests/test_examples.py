@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ds_asynchzp.config import resolve_layout, section_from_ds_config
-from ds_asynchzp.launch import free_port
+from ds_asynchzp.bench.launch import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO_ROOT / "examples"
@@ -48,8 +48,8 @@ def test_only_the_asynchzp_config_enables_asynchzp():
 
 def test_asynchzp_config_resolves_two_ranks_per_param_shard():
     layout = resolve_layout(EXAMPLES / "ds_config_asynchzp.json", world_size=4, local_world_size=4)
-    assert layout.node_size == 2 and layout.num_nodes == 2
-    assert layout.param_shard_size == 2 and layout.optimizer_shard_size == 4
+    assert layout.node_size == 4 and layout.num_nodes == 1
+    assert layout.param_shard_size == 2 and layout.grad_shard_size == 2 and layout.optimizer_shard_size == 4
 
 
 @pytest.fixture(scope="module")

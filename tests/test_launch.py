@@ -1,4 +1,4 @@
-"""Tests for ds_asynchzp.launch: ordering, env layout, fail-fast, timeouts, cleanup."""
+"""Tests for ds_asynchzp.bench.launch: ordering, env layout, fail-fast, timeouts, cleanup."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ds_asynchzp import launch
-from ds_asynchzp.launch import RankFailure, free_port, launch_local
+from ds_asynchzp.bench import launch
+from ds_asynchzp.bench.launch import RankFailure, free_port, launch_local
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # The children must be able to import tests._launch_workers.

@@ -8,7 +8,7 @@ and 1 carry DeepSpeed's trace-order checks and are left out).
 
 import pytest
 
-from ds_asynchzp.traffic import TrafficInputs, asynchzp_bytes, hpz_bytes, zero3_bytes
+from ds_asynchzp.accounting.traffic import TrafficInputs, asynchzp_bytes, hpz_bytes, zero3_bytes
 
 WORLD, NODE = 8, 4
 FIRST_STEADY_STEP = 2
@@ -28,7 +28,7 @@ def _measured(results, case):
 
 
 def _inputs(results, case, gas):
-    elements = results[0][case]["elements"]
+    elements = results[0][case]["elements_by_optimizer_group"] or results[0][case]["elements"]
     return TrafficInputs(world=WORLD, node_size=NODE, grad_accum=gas, gathered_elements=elements["gathered"],
                          reduced_elements=elements["reduced"], trainable_elements=elements["trainable"])
 
@@ -51,8 +51,23 @@ def test_zero3_matches_formula(results, gas):
 
 @pytest.mark.parametrize("gas", [1, 4])
 def test_asynchzp_matches_formula(results, gas):
-    predicted = asynchzp_bytes(_inputs(results, f"asynchzp_gas{gas}", gas), param_shard_size=NODE, grad_shard_size=NODE)
+    predicted = asynchzp_bytes(_inputs(results, f"asynchzp_gas{gas}", gas), param_shard_size=NODE,
+                               grad_shard_size=NODE, optimizer_shard_size=WORLD)
     _assert_close(_measured(results, f"asynchzp_gas{gas}"), predicted, "asynchzp")
+
+
+def test_asynchzp_with_optimizer_shards_inside_a_node_matches_formula(results):
+    """d_p = 2 < d_g = 4 = d_o: no boundary exchange inside the optimizer group, one all-reduce across nodes."""
+    case = "asynchzp_p2_g4_o4_gas4"
+    predicted = asynchzp_bytes(_inputs(results, case, 4), param_shard_size=2, grad_shard_size=4, optimizer_shard_size=4)
+    _assert_close(_measured(results, case), predicted, case)
+
+
+def test_no_point_to_point_in_steady_state(results):
+    for name in ("asynchzp_gas1", "asynchzp_gas4", "asynchzp_p2_g4_o4_gas4"):
+        for rank_result in results:
+            for step in rank_result[name]["ledger_steps"][FIRST_STEADY_STEP:]:
+                assert "send" not in step["by_op"] and "recv" not in step["by_op"], (name, step["by_op"])
 
 
 def test_hpz_matches_formula(results):

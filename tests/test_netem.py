@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_asynchzp.launch import launch_local
+from ds_asynchzp.bench.launch import launch_local
 from ds_asynchzp.netem import Cluster, EmulatedCluster, EmulationUnavailable, LeftoverNamespaces, preflight
 from ds_asynchzp.netem import tracking
 from ds_asynchzp.netem.topology import cpu_mask, parse_delay_ms, parse_rate, tbf_burst_bytes

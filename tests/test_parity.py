@@ -25,7 +25,8 @@ PARAM_RTOL = 1e-6
 
 def _pairs(world, node_size):
     for case in LAUNCHES[(world, node_size)]:
-        if case.get("compare_to"):
+        # The hazard cases (tests/test_hazards.py) end on a stock engine, compared by their losses there.
+        if case.get("compare_to") and not case.get("hazard_case"):
             yield case["name"], case["compare_to"]
 
 
@@ -35,7 +36,7 @@ def test_optimizer_is_hierarchical_only_when_asked(launched, world, node_size):
         for case in LAUNCHES[(world, node_size)]:
             expected = "HierarchicalZeroOptimizer" if case.get("async_hzp") else "DeepSpeedZeroOptimizer_Stage3"
             assert rank_result[case["name"]]["optimizer_class"] == expected
-            assert len(rank_result[case["name"]]["losses"]) == STEPS
+            assert len(rank_result[case["name"]]["losses"]) == STEPS + case.get("then_stock_steps", 0)
 
 
 @pytest.mark.parametrize("world,node_size", sorted(LAUNCHES))
@@ -45,9 +46,17 @@ def test_losses_and_parameters_match_zero3(launched, world, node_size):
             result = rank_result[name]
             assert result["max_loss_rel_diff"] <= LOSS_RTOL, (name, result["losses"], rank_result[baseline]["losses"])
             assert result["param_rel_l2_diff"] <= PARAM_RTOL, (name, result["param_rel_l2_diff"])
+            # The global norm counts every gradient element once, whatever the optimizer replicas.
+            assert result["grad_norm"] == pytest.approx(rank_result[baseline]["grad_norm"], rel=1e-5), name
             # Training really moved: the comparison is not between two untouched models.
             losses = result["losses"]
             assert losses[-1] < losses[0] - 0.1
+
+
+def test_resume_with_optimizer_shards_inside_a_node_is_bit_identical(launched):
+    for rank_result in launched(4, 2):
+        assert rank_result["resumed_p1_g2_o2_gas4"]["bit_identical_losses"]
+        assert rank_result["resumed_p1_g2_o2_gas4"]["param_rel_l2_diff"] == 0.0
 
 
 def test_single_node_is_bit_identical(launched):
