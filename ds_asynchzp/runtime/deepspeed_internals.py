@@ -112,6 +112,41 @@ def partition_rank_of(optimizer: DeepSpeedZeroOptimizer_Stage3, param) -> int:
     return ds_comm.get_rank(group=optimizer._get_param_partition_group(param))
 
 
+# Attributes Stage 3 sets in its constructor that the hierarchical optimizer reads (instance attributes cannot be
+# checked at import: `check_stage3_instance` checks them once the optimizer exists).
+_STAGE3_INSTANCE_ATTRIBUTES = [
+    ("ipg_buckets", "the gradient bucket per communication dtype (reduce_scatter=false path)"),
+    ("persistent_parameters", "ZeRO-3 persistent parameters, re-gathered after each step"),
+    ("grad_partitions_flat_buffer", "the flat gradient partition buffer, made a view of the gradient shard"),
+    ("lp_param_buffer", "the flat parameter buffer, made a view of the parameter shard"),
+    ("fp16_groups", "the trainable parameters in flat-buffer order"),
+    ("fp16_partitioned_groups_flat", "the per-sub-group views of the flat parameter buffer"),
+    ("reduce_scatter", "zero_optimization.reduce_scatter"),
+    ("reduce_bucket_size", "zero_optimization.reduce_bucket_size (bucket of the once-per-step flows)"),
+    ("gradient_accumulation_dtype", "data_types.grad_accum_dtype"),
+    ("communication_data_type", "communication_data_type of the boundary exchange"),
+    ("gradient_predivide_factor", "gradient averaging"),
+    ("postscale_gradients", "gradient averaging"),
+    ("timers", "step timers logged after the refresh"),
+]
+
+
+def check_stage3_instance(optimizer) -> None:
+    missing = [f"{name} ({purpose})" for name, purpose in _STAGE3_INSTANCE_ATTRIBUTES if not hasattr(optimizer, name)]
+    if missing:
+        raise DeepSpeedInternalsError("ds_asynchzp cannot use the installed DeepSpeed: Stage 3's optimizer no longer "
+                                      "sets " + ", ".join(missing))
+
+
+def stage3_bucket_params(optimizer, communication_data_type):
+    """The parameters in Stage 3's gradient bucket of one communication dtype, in bucket order."""
+    return optimizer.ipg_buckets[communication_data_type].params
+
+
+def stage3_persistent_parameters(optimizer):
+    return optimizer.persistent_parameters
+
+
 def rehome_stage3_param_flat(optimizer: DeepSpeedZeroOptimizer_Stage3, flat) -> None:
     """Make `flat` Stage 3's flat parameter buffer (the per-sub-group flats become views into it)."""
     optimizer.lp_param_buffer = flat
@@ -242,6 +277,7 @@ def comm_backend():
 __all__ = [
     "DeepSpeedEngine", "DeepSpeedZeroOptimizer_Stage3", "ZeroParamStatus", "SUPPORTED_DEEPSPEED_VERSION",
     "DeepSpeedInternalsError", "engine_class_swapped", "stage3_optimizer_class_swapped", "partition_rank_of",
+    "check_stage3_instance", "stage3_bucket_params", "stage3_persistent_parameters",
     "rehome_stage3_param_flat", "stage3_param_flat", "rehome_stage3_grad_flat", "stage3_trainable_params_in_flat_order",
     "is_zero_param", "mark_inflight", "mark_available", "is_available", "partition_group_of", "repartition",
     "install_param_hooks", "restore_param_hooks", "stage3_model_state_tensors", "backend_name", "comm_backend",

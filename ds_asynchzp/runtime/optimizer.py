@@ -33,9 +33,11 @@ from ..comm.step_boundary import StepBoundary
 from ..state.grad_shards import GradShards, Window
 from ..state.param_shards import ParamShards
 from .deepspeed_internals import (STAGE3_AVG_SCATTER_CONTIGUOUS_GRADS, STAGE3_AVG_SCATTER_GRADS,
-                                  DeepSpeedZeroOptimizer_Stage3, ds_comm, install_param_hooks, is_available,
-                                  is_zero_param, mark_inflight, rehome_stage3_grad_flat, rehome_stage3_param_flat,
-                                  repartition, restore_param_hooks, stage3_param_flat,
+                                  DeepSpeedZeroOptimizer_Stage3, check_stage3_instance, ds_comm,
+                                  install_param_hooks, is_available, is_zero_param, partition_group_of,
+                                  rehome_stage3_grad_flat,
+                                  rehome_stage3_param_flat, repartition, restore_param_hooks, stage3_bucket_params,
+                                  stage3_param_flat, stage3_persistent_parameters,
                                   stage3_trainable_params_in_flat_order)
 from .process_groups import build_process_groups
 
@@ -62,6 +64,7 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         self._hzp_in_step = False
         kwargs["dp_process_group"] = self.hzp_groups.optimizer.handle
         super().__init__(module, init_optimizer, *args, **kwargs)
+        check_stage3_instance(self)
         if self.gradient_predivide_factor != 1.0 or not self.postscale_gradients:
             raise RuntimeError("async_hzp averages gradients by dividing before the sum, as ZeRO-3's default does; "
                                "remove gradient_predivide_factor / prescale_gradients from the ds_config")
@@ -89,9 +92,8 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             params = [p for p in args[0].parameters() if is_zero_param(p)] if args else \
                 [p for p in kwargs["module"].parameters() if is_zero_param(p)]
             for param in params:
-                self._hzp_repartitioned_from[param.ds_id] = param.ds_process_group
+                self._hzp_repartitioned_from[param.ds_id] = partition_group_of(param)
             repartition(params, group.handle)
-            offload.dp_process_group = group.handle
         return offload
 
     def _create_fp16_partitions_with_defragmentation(self, fp16_param_groups):
@@ -116,7 +118,8 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
     @torch.no_grad()
     def _hzp_reduce_contiguous_bucket(self, buffer_to_reduce, communication_data_type: torch.dtype):
         """Replaces Stage 3's all-reduce path (`reduce_scatter: false`); same result, same collective kind."""
-        return self.hzp_reduce.reduce_bucket(self.ipg_buckets[communication_data_type].params, communication_data_type)
+        return self.hzp_reduce.reduce_bucket(stage3_bucket_params(self, communication_data_type),
+                                         communication_data_type)
 
     def partition_grads(self, params_to_release, grad_partitions) -> list:
         """Add each bucket's reduced atoms into the gradient shard; stock writes the 1/world partition here."""
@@ -174,7 +177,7 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
 
         At construction they are left to the first forward (`gather_missing=False`): the coordinator records
         its fetch order on the first step and expects to fetch them there."""
-        persistent = sorted(self.persistent_parameters, key=lambda p: p.ds_id)
+        persistent = sorted(stage3_persistent_parameters(self), key=lambda p: p.ds_id)
         self.hzp_gather.regather_in_place([p for p in persistent if is_available(p)])
         missing = [p for p in persistent if not is_available(p)]
         if missing and gather_missing:
@@ -256,4 +259,4 @@ def optimizer_class_for(layout: ResolvedLayout) -> type:
     return type("HierarchicalZeroOptimizer", (HierarchicalZeroOptimizer,), {"hzp_layout": layout})
 
 
-__all__ = ["HierarchicalZeroOptimizer", "optimizer_class_for", "mark_inflight"]
+__all__ = ["HierarchicalZeroOptimizer", "optimizer_class_for"]
