@@ -147,7 +147,16 @@ def run_arm(payload: dict) -> dict:
     # the node's namespace): what really crossed between nodes, headers included.
     link_counter = _node_link_counter() if payload.get("read_link_counter") and rank % payload["node_size"] == 0 else None
     steps = []
+
+    def align_ranks() -> None:
+        # The counter of a node sums what all its ranks sent; a rank still finishing the previous step when local
+        # rank 0 reads it would move bytes between steps. A barrier, outside the timed and ledger windows, aligns
+        # every rank on the read (its own few hundred bytes are far below the figures compared).
+        if payload.get("read_link_counter"):
+            deepspeed.comm.barrier()
+
     for step in range(payload["steps"]):
+        align_ranks()
         mark = ledger.mark()
         tx_before = _read_int(link_counter) if link_counter else None
         start = time.perf_counter()
@@ -165,13 +174,15 @@ def run_arm(payload: dict) -> dict:
             loss_sum += loss.item()
         elapsed = time.perf_counter() - start
         comm = ledger.summary(mark)
+        align_ranks()
+        tx_after = _read_int(link_counter) if link_counter else None
         if rank == 0:
             # Progress for the launcher's progress bar (it follows rank 0's log).
             print(f"{PROGRESS_MARK} {step + 1}/{payload['steps']}", flush=True)
         steps.append({
             "link_bytes": comm["link_bytes"],
             "comm_s": comm["seconds"],
-            "node_tx_bytes": _read_int(link_counter) - tx_before if link_counter else None,
+            "node_tx_bytes": tx_after - tx_before if link_counter else None,
             "loss": loss_sum / grad_accum,
             "time_s": elapsed,
             "intra_node": comm["intra_node"],
