@@ -107,11 +107,6 @@ def stage3_optimizer_class_swapped(optimizer_class: type) -> Iterator[None]:
         _stage3_module.DeepSpeedZeroOptimizer_Stage3 = original
 
 
-def partition_rank_of(optimizer: DeepSpeedZeroOptimizer_Stage3, param) -> int:
-    """This rank's index in the group the parameter's DeepSpeed partition is spread over."""
-    return ds_comm.get_rank(group=optimizer._get_param_partition_group(param))
-
-
 # Attributes Stage 3 sets in its constructor that the hierarchical optimizer reads (instance attributes cannot be
 # checked at import: `check_stage3_instance` checks them once the optimizer exists).
 _STAGE3_INSTANCE_ATTRIBUTES = [
@@ -276,7 +271,7 @@ def comm_backend():
 
 __all__ = [
     "DeepSpeedEngine", "DeepSpeedZeroOptimizer_Stage3", "ZeroParamStatus", "SUPPORTED_DEEPSPEED_VERSION",
-    "DeepSpeedInternalsError", "engine_class_swapped", "stage3_optimizer_class_swapped", "partition_rank_of",
+    "DeepSpeedInternalsError", "engine_class_swapped", "stage3_optimizer_class_swapped",
     "check_stage3_instance", "stage3_bucket_params", "stage3_persistent_parameters",
     "rehome_stage3_param_flat", "stage3_param_flat", "rehome_stage3_grad_flat", "stage3_trainable_params_in_flat_order",
     "is_zero_param", "mark_inflight", "mark_available", "is_available", "partition_group_of", "repartition",

@@ -244,10 +244,6 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         self.hzp_grads = None
         self.hzp_groups.destroy()
 
-    # ----------------------------------------------------------------------------------- accounting
-    def hzp_state_bytes(self) -> dict:
-        return {"param_shard": self.hzp_params.nbytes(), "grad_shard": self.hzp_grads.nbytes() if self.hzp_grads else 0}
-
 
 setattr(HierarchicalZeroOptimizer, STAGE3_AVG_SCATTER_GRADS, HierarchicalZeroOptimizer._hzp_reduce_bucket)
 setattr(HierarchicalZeroOptimizer, STAGE3_AVG_SCATTER_CONTIGUOUS_GRADS,

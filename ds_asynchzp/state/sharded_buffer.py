@@ -9,7 +9,7 @@ state exists once.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Sequence, Tuple
+from typing import Dict, Iterator, Sequence, Tuple
 
 import torch
 
@@ -63,6 +63,3 @@ class ShardedBuffer:
 
     def __contains__(self, param) -> bool:
         return getattr(param, "ds_id", None) in self.columns
-
-    def ordered(self, params) -> List[torch.nn.Parameter]:
-        return sorted(params, key=lambda p: self.columns[p.ds_id].offset)
