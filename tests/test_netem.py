@@ -39,6 +39,16 @@ def test_parse_rate_errors_name_the_flag(text):
         parse_rate(text)
 
 
+def test_unlimited_keeps_the_namespaces_and_drops_the_shaping():
+    assert parse_rate("unlimited") is None and parse_rate("Unlimited") is None
+    for nodes in (2, 3):
+        spec = EmulatedCluster.create(nodes, "unlimited")
+        commands = spec.setup_commands()
+        assert not [c for c in commands if c[0] == "tc"]
+        assert len([c for c in commands if c[:3] == ["ip", "netns", "add"]]) == len(spec.namespaces)
+        assert "unshaped links" in spec.describe()
+
+
 def test_parse_delay():
     assert parse_delay_ms(None) is None
     assert parse_delay_ms(0) is None  # no delay: plain veth links

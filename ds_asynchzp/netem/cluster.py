@@ -281,7 +281,7 @@ class Cluster:
         log_path = tracking.STATE_DIR / f"{spec.run_prefix}.relay.log"
         # As a script: `-m ds_asynchzp.netem.relay` would import the package and with it torch (seconds, ~GB).
         cmd = [sys.executable, str(_RELAY_PATH), "--prefix", spec.run_prefix,
-               "--delay-ms", repr(spec.delay_ms), "--mtu", str(spec.mtu), "--rate-bps", str(spec.rate_bps),
+               "--delay-ms", repr(spec.delay_ms), "--mtu", str(spec.mtu), "--rate-bps", str(spec.rate_bps or 0),
                "--namespaces", *spec.node_namespaces, "--addresses", *spec.addresses]
         with open(log_path, "wb") as log:
             self._relay = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log,

@@ -120,7 +120,8 @@ class Port:
 def run(namespaces: list[str], addresses: list[str], delay_s: float, mtu: int, rate_bps: int) -> int:
     parent = os.getppid()
     home_fd = os.open("/proc/self/ns/net", os.O_RDONLY)
-    meter = rate_bps / 8 if len(namespaces) > 2 else None  # two nodes: the sender's tbf is the whole link
+    # Two nodes: the sender's tbf is the whole link; rate 0: unshaped links.
+    meter = rate_bps / 8 if len(namespaces) > 2 and rate_bps else None
     ports = [Port(open_tun_in_namespace(ns, home_fd), socket.inet_aton(addr), meter, mtu)
              for ns, addr in zip(namespaces, addresses)]
     os.close(home_fd)

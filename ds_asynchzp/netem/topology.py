@@ -49,15 +49,23 @@ _RATE_UNITS = {
 _RATE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-z]*)\s*$")
 
 
-def parse_rate(text: str | int | float, flag: str = BW_FLAG) -> int:
-    """Parse a tc-style rate ("200mbit", "1gbit", "500000kbit", plain bits/s) into bits per second."""
+UNLIMITED = "unlimited"
+
+
+def parse_rate(text: str | int | float | None, flag: str = BW_FLAG) -> int | None:
+    """Parse a tc-style rate ("200mbit", "1gbit", "500000kbit", plain bits/s) into bits per second; "unlimited"
+    (or None) gives None: the nodes keep their namespaces and links, with no shaping (a baseline with the same
+    network path and counters)."""
+    if text is None or str(text).strip().lower() == UNLIMITED:
+        return None
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         value, unit = float(text), ""
     else:
         match = _RATE_RE.match(str(text).lower())
         if not match or match.group(2) not in _RATE_UNITS:
             raise ValueError(f"{flag}: cannot parse rate {text!r}; use a number with a tc unit such as "
-                             f"'200mbit', '1gbit' or '800kbit' (bits/s; 'mbps' means megaBYTES/s)")
+                             f"'200mbit', '1gbit' or '800kbit' (bits/s; 'mbps' means megaBYTES/s), or "
+                             f"'{UNLIMITED}' for unshaped links")
         value, unit = float(match.group(1)), match.group(2)
     bits = int(round(value * _RATE_UNITS[unit]))
     # Below ~8 kbit/s tbf's bucket arithmetic and gloo's timeouts stop making sense.
@@ -117,7 +125,7 @@ class EmulatedCluster:
     """Specification of one emulated cluster. Build it with :meth:`create` to get parsing and validation."""
 
     num_nodes: int
-    rate_bps: int
+    rate_bps: int | None           # None: links not shaped
     delay_ms: float | None = None
     mtu: int = DEFAULT_VETH_MTU
     run_prefix: str = field(default_factory=_default_prefix)
@@ -178,7 +186,7 @@ class EmulatedCluster:
 
     @property
     def burst_bytes(self) -> int:
-        return tbf_burst_bytes(self.rate_bps, self.mtu)
+        return tbf_burst_bytes(self.rate_bps, self.mtu) if self.rate_bps else 0
 
     def node_of_rank(self, rank: int, node_size: int) -> int:
         if node_size < 1:
@@ -235,7 +243,8 @@ class EmulatedCluster:
             cmds.append(["ip", "-n", ns, "link", "set", DEVICE, "mtu", str(self.mtu)])
             cmds.append(["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", DEVICE])
             cmds.append(["ip", "-n", ns, "link", "set", DEVICE, "up"])
-            cmds.append(self._tbf(ns, DEVICE))  # uplink: everything that leaves the node
+            if self.rate_bps:
+                cmds.append(self._tbf(ns, DEVICE))  # uplink: everything that leaves the node
             cmds.append(self._rps(ns, DEVICE))
         sw = self.switch_namespace
         if sw:
@@ -243,7 +252,8 @@ class EmulatedCluster:
             for i in range(self.num_nodes):
                 cmds.append(["ip", "-n", sw, "link", "set", f"p{i}", "up"])
                 # Downlink: egress of the switch port towards node i, so incast shares one link's rate.
-                cmds.append(self._tbf(sw, f"p{i}"))
+                if self.rate_bps:
+                    cmds.append(self._tbf(sw, f"p{i}"))
                 cmds.append(self._rps(sw, f"p{i}"))
         return cmds
 
@@ -269,5 +279,6 @@ class EmulatedCluster:
 
     def describe(self) -> str:
         delay = f", {self.delay_ms:g} ms one way" if self.delay_ms is not None else ""
-        return (f"{self.num_nodes} nodes, {self.rate_bps / 1e6:g} Mbit/s{delay}, MTU {self.mtu}, "
+        rate = f"{self.rate_bps / 1e6:g} Mbit/s" if self.rate_bps else "unshaped links"
+        return (f"{self.num_nodes} nodes, {rate}{delay}, MTU {self.mtu}, "
                 f"{self.mode} links, namespaces {self.run_prefix}*")
