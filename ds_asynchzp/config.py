@@ -109,6 +109,30 @@ class AsyncHZPConfig(BaseModel):
         "Default 200 (25 GB/s, one 200 Gbit/s NIC per rank).",
     )
     log_layout: bool = Field(True, description="Rank 0 logs the resolved layout at startup.")
+    async_comm: bool = Field(
+        True,
+        description="Issue the parameter all-gathers, gradient reduce-scatters and the once-per-step cross-node "
+        "work from background communication threads (each with its own process group and, on CUDA, its own "
+        "stream), overlapping them with compute. false runs the same placement synchronously, bit for bit.",
+    )
+    prefetch_depth: int = Field(
+        2,
+        ge=0,
+        description="Gathers issued ahead of compute, in the fetch order recorded on the first step (forward, "
+        "then backward). 0 gathers only what the module about to run needs. Ignored when async_comm is false.",
+    )
+    boundary_bucket_size: Optional[_PositiveInt] = Field(
+        None,
+        description="Elements per cross-node chunk of the once-per-step gradient reduction and parameter "
+        "refresh. Default: zero_optimization.reduce_bucket_size.",
+    )
+    comm_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Seconds any wait on a collective may take before the run ends with an error naming the "
+        "collective and its group (instead of a hang).",
+    )
 
 
 # Per field: what a valid value looks like and how to fix a bad one.
@@ -123,6 +147,10 @@ _FIELD_RULES = {
     "intra_node_bandwidth_gbps": ("a positive finite number", "set the intra-node Gbit/s per rank, e.g. 800, or remove it."),
     "inter_node_bandwidth_gbps": ("a positive finite number", "set the inter-node Gbit/s per rank, e.g. 200, or remove it."),
     "log_layout": ("true or false", "use a JSON boolean (true/false)."),
+    "async_comm": ("true or false", "use a JSON boolean (true/false)."),
+    "prefetch_depth": ("an integer >= 0", "set how many gathers may run ahead of compute, e.g. 2, or remove it."),
+    "boundary_bucket_size": ("a positive integer or null", "set elements per cross-node chunk, or remove it."),
+    "comm_timeout_s": ("a positive finite number", "set the seconds a collective may take, e.g. 300, or remove it."),
 }
 
 
@@ -194,6 +222,11 @@ class ResolvedLayout:
     optimizer_shard_size: int
     log_layout: bool = True
     auto_reason: Optional[str] = None
+    # How the layout's collectives are scheduled (the async_hzp keys of the same names).
+    async_comm: bool = True
+    prefetch_depth: int = 2
+    boundary_bucket_size: Optional[int] = None
+    comm_timeout_s: float = 300.0
 
     def as_dict(self) -> dict:
         """The layout as JSON-ready values (what the benchmark records per arm in results.json)."""
@@ -202,7 +235,8 @@ class ResolvedLayout:
                 "param_shard_size": self.param_shard_size, "grad_shard_size": self.grad_shard_size,
                 "optimizer_shard_size": self.optimizer_shard_size,
                 "param_replicas": w // self.param_shard_size, "grad_replicas": w // self.grad_shard_size,
-                "optimizer_replicas": w // self.optimizer_shard_size, "auto_reason": self.auto_reason}
+                "optimizer_replicas": w // self.optimizer_shard_size, "auto_reason": self.auto_reason,
+                "async_comm": self.async_comm, "prefetch_depth": self.prefetch_depth}
 
     def describe(self) -> str:
         """One line for rank 0's log: every size with its replica count, and why "auto" chose it."""
@@ -211,7 +245,9 @@ class ResolvedLayout:
             f"async_hzp layout: world={w} ({self.num_nodes} node(s) x {self.node_size} ranks); "
             f"params sharded over d_p={self.param_shard_size} ({_replicas(w // self.param_shard_size)}), "
             f"grads over d_g={self.grad_shard_size} ({_replicas(w // self.grad_shard_size)}), "
-            f"optimizer states over d_o={self.optimizer_shard_size} ({_replicas(w // self.optimizer_shard_size)})"
+            f"optimizer states over d_o={self.optimizer_shard_size} ({_replicas(w // self.optimizer_shard_size)}); "
+            + (f"communication on background threads (prefetch depth {self.prefetch_depth})" if self.async_comm
+               else "communication synchronous (async_comm false)")
         )
         return f"{text}; {self.auto_reason}" if self.auto_reason else text
 
@@ -517,4 +553,5 @@ def resolve_layout(
 
     # Logged by the engine once its process groups exist (rank 0 only).
     return ResolvedLayout(world, node, world // node, d_p, d_g, d_o, log_layout=section.log_layout,
-                          auto_reason=reason)
+                          auto_reason=reason, async_comm=section.async_comm, prefetch_depth=section.prefetch_depth,
+                          boundary_bucket_size=section.boundary_bucket_size, comm_timeout_s=section.comm_timeout_s)

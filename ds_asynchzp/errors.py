@@ -52,3 +52,9 @@ class DeepSpeedInternalsError(ImportError):
 
 class CommTimeoutError(RuntimeError):
     """A wait on a collective ran past its timeout; the message names the collective and its group."""
+
+
+class CommThreadError(RuntimeError):
+    """A collective failed on a background communication thread. Raised on the training thread at its next wait
+    on that thread's work, chained to the original exception (whose traceback shows where it failed)."""
+

@@ -17,6 +17,7 @@ import torch
 
 import ds_asynchzp
 from ds_asynchzp.accounting import ledger
+from ds_asynchzp.comm import delay_injection
 from ds_asynchzp.bench.cli import ZERO3_KNOBS as BENCH_ZERO3_KNOBS
 from ds_asynchzp.bench.data import batch_for
 from ds_asynchzp.bench.model import MODEL_PRESETS, build_model
@@ -30,6 +31,8 @@ ZERO3_KNOBS = dict(BENCH_ZERO3_KNOBS, reduce_bucket_size=20000)
 # reuse distance and overlap_comm (only the bucket is small, for several flushes per backward).
 DEFAULT_KNOBS = {"stage": 3, "reduce_bucket_size": 20000}
 BUCKET_ELEMENTS = 20000
+# Steps 0 and 1 carry DeepSpeed's trace-order checks and the prefetch's first recording.
+FIRST_STEADY_STEP = 2
 
 
 def ds_config(case: dict) -> dict:
@@ -111,7 +114,7 @@ def _shards_vs_consolidated(engine) -> float:
         return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
     for param in sorted(engine.module.parameters(), key=lambda p: p.ds_id):
-        from_shards = optimizer.hzp_gather._start([param])[0].finish()[0].float()
+        from_shards = optimizer.hzp_gather.full_value(param).float()
         kept = param.data.detach().float() if param.ds_status.name == "AVAILABLE" else None
         if param.requires_grad:
             ref = deepspeed.utils.safe_get_full_fp32_param(param).view(param.ds_shape).float()
@@ -162,9 +165,17 @@ def _step_record(mark: int) -> dict:
     summary["tags"] = {}
     for record in records:
         summary["tags"][record.tag] = summary["tags"].get(record.tag, 0) + 1
-    # What NCCL matches collectives by: the order of (op, group, size) on every rank.
-    summary["sequence"] = [(r.op, list(r.group_ranks), r.buffer_bytes) for r in records]
     return summary
+
+
+def _sequences_by_communicator(mark: int) -> dict:
+    """What NCCL matches collectives by: the order of (op, size) on each communicator. A communicator is one
+    issuing thread's group (threads never share one), so records are keyed by thread and group ranks. Over a
+    whole case, not per step: a job submitted in one step may run in the next, at a different time per rank."""
+    by_group = {}
+    for r in ledger.get().since(mark):
+        by_group.setdefault(f"{r.thread}|{list(r.group_ranks)}", []).append((r.op, r.buffer_bytes))
+    return by_group
 
 
 def train_case(case: dict) -> dict:
@@ -176,6 +187,7 @@ def train_case(case: dict) -> dict:
     if case.get("record_allocations"):
         recorder = _LargestAllocation()
         _record_hzp_allocations(engine, recorder)
+    case_mark = ledger.mark()
     for step in range(case["steps"]):
         if step == case.get("modify_at"):
             # A user edits a weight in place on rank 0 (stock semantics: the partitions follow the broadcast).
@@ -195,7 +207,13 @@ def train_case(case: dict) -> dict:
             engine.destroy()
             engine = _build_engine(dict(case, seed=case.get("seed", 7) + 1))  # different init: must be overwritten
             engine.load_checkpoint(directory, tag="resume")
-        mark, total = ledger.mark(), 0.0
+        if step == FIRST_STEADY_STEP:
+            # Bytes are compared over whole steady steps: a refresh submitted at the end of one step runs into
+            # the next, so per-step windows split it by timing; from a quiet point to the end they do not.
+            if hasattr(engine.optimizer, "_hzp_quiesce_params"):
+                engine.optimizer._hzp_quiesce_params()
+            steady_mark = ledger.mark()
+        mark, total, step_started = ledger.mark(), 0.0, time.perf_counter()
         for micro in range(case["gas"]):
             x, y = batch_for(step, micro, rank, world, case.get("micro_batch", 2), case.get("seq_len", 32), seed=11)
             loss = engine(x, y)
@@ -208,8 +226,29 @@ def train_case(case: dict) -> dict:
             total += loss.item()
         losses.append(total / case["gas"])
         steps.append(_step_record(mark))
+        step_ended = time.perf_counter()
+        steps[-1]["exposed_comm_s"] = ledger.get().exposed_seconds(step_started, step_ended)
+        steps[-1]["comm_busy_s"] = ledger.get().busy_seconds(step_started, step_ended, mark)
+        waits = {}
+        for start, end, what in ledger.get().waits_between(step_started, step_ended):
+            waits[what] = waits.get(what, 0.0) + min(end, step_ended) - max(start, step_started)
+        steps[-1]["exposed_by_kind"] = waits
+        steps[-1]["seconds"] = step_ended - step_started
+        if hasattr(engine.optimizer, "hzp_gather"):
+            steps[-1]["prefetch"] = dict(engine.optimizer.hzp_gather.stats)
+        if hasattr(engine.optimizer, "hzp_buffer_allocations"):
+            steps[-1]["buffer_allocations"] = sum(engine.optimizer.hzp_buffer_allocations().values())
         if case.get("check_shards"):
             shard_diffs.append(_shards_vs_consolidated(engine))
+    if hasattr(engine.optimizer, "_hzp_quiesce_params"):
+        engine.optimizer._hzp_quiesce_params()     # the last refresh is in the sequence too
+    sequences = _sequences_by_communicator(case_mark)
+    steady = ledger.summary(steady_mark)
+    steady_steps = case["steps"] - FIRST_STEADY_STEP
+    steady_per_step = {"intra_node": steady["intra_node"] / steady_steps,
+                       "inter_node": steady["inter_node"] / steady_steps,
+                       "by_op": {op: {k: v / steady_steps for k, v in per_op.items()}
+                                 for op, per_op in steady["by_op"].items()}}
     if case.get("then_stock_steps"):
         # A second engine on the same module, after destroy(): it must start from the trained weights.
         engine.destroy()
@@ -241,6 +280,10 @@ def train_case(case: dict) -> dict:
         "shard_diffs": shard_diffs,
         "safe_grads": safe_grads,
         "largest_allocation": recorder.largest if recorder else None,
+        "sequences": sequences,
+        "steady_per_step": steady_per_step,
+        "comm_delay": case.get("comm_delay", ""),
+        "hazard_case": bool(case.get("hazard_case")),
         "layout": (engine.optimizer.hzp_layout.__dict__ if hasattr(engine.optimizer, "hzp_layout") else None),
     }
     result["final_params"] = _full_params(engine)
@@ -257,6 +300,9 @@ def run_cases(payload: dict) -> dict:
     results = {}
     for case in payload["cases"]:
         started = time.perf_counter()
+        # Test-only delays around every collective of the package (see ds_asynchzp.comm.delay_injection).
+        os.environ["DS_ASYNCHZP_COMM_DELAY_MS"] = case.get("comm_delay", "")
+        delay_injection.reset()
         result = train_case(case)
         # Progress in the rank log: tells a slow launch from a stuck one when a launch times out.
         print(f"case {case['name']}: {case['steps']} steps in {time.perf_counter() - started:.1f} s", flush=True)
@@ -278,3 +324,25 @@ def run_cases(payload: dict) -> dict:
         result.pop("final_params")
     results["rank"] = int(os.environ["RANK"])
     return results
+
+
+def train_until_killed(payload: dict) -> dict:
+    """Train; the victim rank SIGKILLs itself in the middle of a step (after a forward, with gathers and
+    reductions in flight on the communication threads). The others must end on their own, naming it."""
+    import signal
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    case = {"name": "killed", "gas": 2, "steps": 50, "async_hzp": {"node_size": payload["node_size"]}}
+    engine = _build_engine(case)
+    rank, world = deepspeed.comm.get_rank(), deepspeed.comm.get_world_size()
+    for step in range(case["steps"]):
+        for micro in range(case["gas"]):
+            x, y = batch_for(step, micro, rank, world, 2, 32, seed=11)
+            loss = engine(x, y)
+            if step == 2 and micro == 1 and rank == payload["victim"]:
+                with open(payload["kill_time_file"], "w") as f:
+                    f.write(str(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
+            engine.backward(loss)
+            engine.step()
+    return {"rank": rank, "survived": True}

@@ -305,6 +305,19 @@ def test_good_config_resolves(monkeypatch, cfg, world, local, env, kwargs, expec
     assert not dist.is_initialized()
 
 
+def test_scheduling_keys_resolve_and_bad_values_name_the_key():
+    layout = resolve_layout(make({"async_comm": False, "prefetch_depth": 0, "boundary_bucket_size": 1000,
+                                  "comm_timeout_s": 30}), 8, 4)
+    assert (layout.async_comm, layout.prefetch_depth, layout.boundary_bucket_size, layout.comm_timeout_s) == \
+        (False, 0, 1000, 30.0)
+    assert "communication synchronous" in layout.describe()
+    for key, value in (("async_comm", "yes"), ("prefetch_depth", -1), ("boundary_bucket_size", 0),
+                       ("comm_timeout_s", 0)):
+        with pytest.raises(AsyncHZPConfigError) as info:
+            resolve_layout(make({key: value}), 8, 4)
+        assert f"async_hzp.{key}" in str(info.value), str(info.value)
+
+
 def test_layout_fields_description_and_dict():
     layout = resolve_layout(make(), 8, 4)
     assert layout == ResolvedLayout(world_size=8, node_size=4, num_nodes=2, param_shard_size=4, grad_shard_size=4,
@@ -315,7 +328,9 @@ def test_layout_fields_description_and_dict():
     assert "d_p=4 (2 replicas)" in text and "d_g=4 (2 replicas)" in text and "d_o=8 (1 replica)" in text
     assert layout.as_dict() == {"world_size": 8, "node_size": 4, "num_nodes": 2, "param_shard_size": 4,
                                 "grad_shard_size": 4, "optimizer_shard_size": 8, "param_replicas": 2,
-                                "grad_replicas": 2, "optimizer_replicas": 1, "auto_reason": None}
+                                "grad_replicas": 2, "optimizer_replicas": 1, "auto_reason": None,
+                                "async_comm": True, "prefetch_depth": 2}
+    assert "background threads (prefetch depth 2)" in text
     json.dumps(layout.as_dict())
     inner = resolve_layout(make({"param_shard_size": 2, "grad_shard_size": 4, "optimizer_shard_size": 4}), 8, 4)
     assert "d_o=4 (2 replicas)" in inner.describe()

@@ -18,8 +18,19 @@ over the link per ring pass; a point-to-point send to another node puts S on the
 this predicts the byte counters of the node links, which an emulated cluster measures.
 
 Object collectives (`broadcast_object_list`, `all_gather_object`) carry pickled Python objects of unknown
-size; they are recorded with zero bytes and their count. `seconds` is the time the call took on this rank:
-on CPU the collectives are synchronous, so it is communication time the step waited for.
+size; they are recorded with zero bytes and their count.
+
+Time. Each record holds the thread that issued it and its interval from issue to completion (`started`,
+`ended`, `seconds`): a synchronous call ends when it returns; an asynchronous one (`async_op=True`, as
+DeepSpeed's own prefetching gathers) when its work completes, seen by a completion callback or, at the latest,
+by its `wait()`. Two step-level figures come from these intervals:
+
+* exposed communication: time the training (main) thread spent blocked on communication, that is inside a
+  synchronous collective, in the `wait()` of an asynchronous one, or waiting for a communication thread's job
+  (`note_wait`);
+* communication busy time: the length of the union of all collective intervals, whichever thread issued them.
+
+Overlap shows as busy time well above exposed time.
 """
 
 from __future__ import annotations
@@ -72,6 +83,9 @@ class CommRecord:
     tag: str
     link_bytes: float = 0.0
     seconds: float = 0.0
+    thread: str = ""
+    started: float = 0.0           # time.perf_counter() at issue
+    ended: float = 0.0             # ... at completion (0 while in flight)
 
 
 def _nbytes(value) -> int:
@@ -109,6 +123,7 @@ class CommLedger:
         self._ranks_cache: Dict[int, tuple] = {}
         self._originals: Dict[str, object] = {}
         self._backend = None
+        self.waits: List[tuple] = []   # (start, end, what): the training thread blocked on communication
 
     # ------------------------------------------------------------------ install
     def install(self) -> None:
@@ -137,13 +152,53 @@ class CommLedger:
             arguments = dict(zip(names, args))
             arguments.update(kwargs)
             record = self._record(method, kind, size_arg, arguments)
-            started = time.perf_counter()
+            record.thread = threading.current_thread().name
+            record.started = time.perf_counter()
             result = original(*args, **kwargs)
-            record.seconds = time.perf_counter() - started
+            returned = time.perf_counter()
+            self.note_wait(record.started, returned, method)
+            if arguments.get("async_op") and result is not None and hasattr(result, "wait"):
+                return _TimedWork(result, record, self)
+            self._complete(record, returned)
             return result
 
         recorded.__wrapped__ = original
         return recorded
+
+    # ------------------------------------------------------------------ time
+    def _complete(self, record: CommRecord, when: float) -> None:
+        with self._lock:
+            if not record.ended or when < record.ended:
+                record.ended = when
+                record.seconds = when - record.started
+
+    def note_wait(self, start: float, end: float, what: str) -> None:
+        """The calling thread was blocked on communication in [start, end); counted only for the training
+        (main) thread, whose waits are what a step loses to communication."""
+        if threading.current_thread() is threading.main_thread() and end > start:
+            with self._lock:
+                self.waits.append((start, end, what))
+
+    def exposed_seconds(self, start: float, end: float) -> float:
+        """Time in [start, end) the training thread was blocked on communication."""
+        with self._lock:
+            return sum(max(0.0, min(e, end) - max(s, start)) for s, e, _ in self.waits)
+
+    def busy_seconds(self, start: float, end: float, mark: int = 0) -> float:
+        """Length of the union of collective intervals (records from `mark` on), clipped to [start, end)."""
+        intervals = sorted((max(r.started, start), min(r.ended or end, end)) for r in self.since(mark)
+                           if r.started < end and (r.ended or end) > start)
+        total, cursor = 0.0, start
+        for s, e in intervals:
+            s = max(s, cursor)
+            if e > s:
+                total += e - s
+                cursor = e
+        return total
+
+    def waits_between(self, start: float, end: float) -> List[tuple]:
+        with self._lock:
+            return [w for w in self.waits if w[1] > start and w[0] < end]
 
     # ------------------------------------------------------------------ recording
     def _group_ranks(self, group) -> tuple:
@@ -238,6 +293,29 @@ class CommLedger:
         return [asdict(r) for r in self.since(mark, until)]
 
 
+class _TimedWork:
+    """An asynchronous collective's work: completion ends the record's interval; a training-thread `wait()`
+    counts as exposed communication."""
+
+    def __init__(self, work, record: CommRecord, ledger_: CommLedger):
+        self._work, self._record, self._ledger = work, record, ledger_
+        try:
+            work.get_future().add_done_callback(lambda _: ledger_._complete(record, time.perf_counter()))
+        except Exception:  # noqa: BLE001 - backends without futures: completion is seen at wait()
+            pass
+
+    def wait(self, *args, **kwargs):
+        started = time.perf_counter()
+        result = self._work.wait(*args, **kwargs)
+        done = time.perf_counter()
+        self._ledger._complete(self._record, done)
+        self._ledger.note_wait(started, done, self._record.method)
+        return result
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
 _LEDGER: Optional[CommLedger] = None
 
 
@@ -270,6 +348,11 @@ def summary(mark: int = 0, until: Optional[int] = None) -> dict:
         raise RuntimeError("the communication ledger is not installed: call ds_asynchzp.ledger.install() "
                            "after deepspeed.init_distributed()")
     return _LEDGER.summary(mark, until)
+
+
+def note_wait(start: float, end: float, what: str) -> None:
+    if _LEDGER is not None:
+        _LEDGER.note_wait(start, end, what)
 
 
 def tagged(tag: str):

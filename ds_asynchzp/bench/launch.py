@@ -187,9 +187,10 @@ def _supervise(ranks: list[_Rank], deadline: float) -> tuple[_Rank | None, list[
         if failed is None:
             bad = [rk for rk in ranks if rk.proc.returncode is not None and not _succeeded(rk)]
             if bad:
-                # Prefer a rank with a Python traceback: it is usually the root cause,
-                # while its peers merely crashed on the broken collective.
-                bad.sort(key=lambda rk: (_read_result(rk) is None, rk.rank))
+                # Prefer a rank killed by a signal (nothing else sends one before the launcher does), then one
+                # with a Python traceback: the root cause, while its peers merely failed on the broken
+                # collective or ended because they lost it.
+                bad.sort(key=lambda rk: (rk.proc.returncode >= 0, _read_result(rk) is None, rk.rank))
                 failed = bad[0]
                 grace_end = time.monotonic() + FAILURE_GRACE_S
         now = time.monotonic()

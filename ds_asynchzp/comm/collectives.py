@@ -1,7 +1,8 @@
 """The collectives the hierarchical layout issues, all through `deepspeed.comm`, into caller-owned outputs.
 
 Going through `deepspeed.comm` (not `torch.distributed`) keeps every byte visible to the communication
-ledger and to DeepSpeed's comms logger. Every function takes a `Group` record and the output tensor the
+ledger and to DeepSpeed's comms logger. Each collective is issued by the one thread that owns its group
+(`runtime.process_groups.OWNER`); `delay_injection` can wrap each one in a test-only delay. Every function takes a `Group` record and the output tensor the
 caller allocated (from a reusable scratch buffer), and returns a work handle (`None` for a one-rank group,
 which never communicates: it degenerates to a local copy). There is no point-to-point anywhere: on NCCL a
 lone send/recv pair creates a communicator per rank pair, and a cycle of them deadlocks.
@@ -9,24 +10,43 @@ lone send/recv pair creates a communicator per rank pair, and a cycle of them de
 
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import torch
 
+from ..accounting import ledger
 from ..runtime.deepspeed_internals import backend_name, ds_comm
 from ..runtime.process_groups import Group
+from . import delay_injection
+
+_NOTHING = object()
 
 
 class Work:
     """A collective in flight; `wait()` blocks until its output may be read."""
 
-    def __init__(self, handle=None):
+    def __init__(self, handle=_NOTHING):
         self._handle = handle
 
     def wait(self) -> None:
-        if self._handle is not None:
-            self._handle.wait()
-            self._handle = None
+        if self._handle is not _NOTHING:
+            if self._handle is not None:
+                self._handle.wait()
+            self._handle = _NOTHING
+            _injected_delay()
+
+
+def _injected_delay() -> None:
+    """The test-only delay counts as communication the calling thread waited for, like the collective itself."""
+    started = time.perf_counter()
+    if delay_injection.around():
+        ledger.note_wait(started, time.perf_counter(), "injected delay")
+
+
+def _issue(call, *args, **kwargs) -> Work:
+    _injected_delay()
+    return Work(call(*args, **kwargs))
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False) -> Work:
@@ -35,7 +55,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: boo
         if out.data_ptr() != inp.data_ptr():
             out.copy_(inp.view(-1))
         return Work()
-    return Work(ds_comm.all_gather_into_tensor(out, inp, group=group.handle, async_op=async_op))
+    return _issue(ds_comm.all_gather_into_tensor, out, inp, group=group.handle, async_op=async_op)
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False) -> Work:
@@ -43,14 +63,14 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op:
     if group.size == 1:
         out.copy_(inp.view(-1))
         return Work()
-    return Work(ds_comm.reduce_scatter_tensor(out, inp, op=ds_comm.ReduceOp.SUM, group=group.handle,
-                                              async_op=async_op))
+    return _issue(ds_comm.reduce_scatter_tensor, out, inp, op=ds_comm.ReduceOp.SUM, group=group.handle,
+                  async_op=async_op)
 
 
 def all_reduce(tensor: torch.Tensor, group: Group, async_op: bool = False) -> Work:
     if group.size == 1:
         return Work()
-    return Work(ds_comm.all_reduce(tensor, op=ds_comm.ReduceOp.SUM, group=group.handle, async_op=async_op))
+    return _issue(ds_comm.all_reduce, tensor, op=ds_comm.ReduceOp.SUM, group=group.handle, async_op=async_op)
 
 
 def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False) -> Work:
@@ -58,14 +78,14 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: boo
     if group.size == 1:
         out.copy_(inp)
         return Work()
-    return Work(ds_comm.all_to_all_single(out, inp, group=group.handle, async_op=async_op))
+    return _issue(ds_comm.all_to_all_single, out, inp, group=group.handle, async_op=async_op)
 
 
 def broadcast(tensor: torch.Tensor, group: Group, src_index: int = 0) -> Work:
     """Every member receives member `src_index`'s `tensor`."""
     if group.size == 1:
         return Work()
-    return Work(ds_comm.broadcast(tensor, src=group.ranks[src_index], group=group.handle))
+    return _issue(ds_comm.broadcast, tensor, src=group.ranks[src_index], group=group.handle)
 
 
 def backend_reduce_scatter_is_optimal(group: Group) -> bool:
@@ -81,9 +101,10 @@ def backend_reduce_scatter_is_optimal(group: Group) -> bool:
 
 def scratch(pool: dict, key: str, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
     """A reusable flat buffer of at least `numel` elements: allocated once per (key, dtype), grown only when a
-    larger request comes, so the steady state allocates nothing."""
+    larger request comes, so the steady state allocates nothing. `pool["allocations"]` counts allocations."""
     buffer: Optional[torch.Tensor] = pool.get((key, dtype))
     if buffer is None or buffer.numel() < numel or buffer.device != torch.device(device):
         buffer = torch.empty(numel, dtype=dtype, device=device)
         pool[(key, dtype)] = buffer
+        pool["allocations"] = pool.get("allocations", 0) + 1
     return buffer.narrow(0, 0, numel)

@@ -1,11 +1,13 @@
 """Per micro-step: reduce each gradient bucket inside the d_g grad shard group.
 
-Replaces Stage 3's bucket reduce-scatter over the whole world. The bucket's gradients are packed, in one pass
-per gradient (copy, cast to the communication dtype), into a reusable [d_g, width] send buffer in which member
-i's row holds atoms {i + t*d_g} of every gradient; the zero padding of the last atom is written in the same
-pass, without a padded temporary. Dividing by the data-parallel world before the sum, as stock ZeRO-3 does,
-keeps both summing the same values. Member i receives its atoms summed over the group; the boundary later
-sums them over the replicas.
+Replaces Stage 3's bucket reduce-scatter over the whole world. On the training thread, the bucket's gradients
+are packed, in one pass per gradient (copy, cast to the communication dtype), into a staging slot laid out as
+[d_g, width], in which member i's row holds atoms {i + t*d_g} of every gradient; the zero padding of the last
+atom is written in the same pass. Dividing by the data-parallel world before the sum, as stock ZeRO-3 does,
+keeps both summing the same values. The gradients are then free to go: the reduction reads only the slot.
+
+The reduce-scatter and the addition of this rank's atoms into the gradient shard run as one job of the
+`reduce` thread. Whoever reads the gradient shard first waits for every such job (`drain`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from ..accounting import ledger
 from ..runtime.process_groups import Group
+from ..state.buffer_pool import StagingRing
 from ..state.grad_shards import GradShards
 from .collectives import all_reduce, reduce_scatter, scratch
 
@@ -47,21 +50,27 @@ def pack_transposed(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 class GradReduce:
-    def __init__(self, grads: GradShards, group: Group, world: int, use_reduce_scatter: bool):
+    def __init__(self, grads: GradShards, group: Group, world: int, use_reduce_scatter: bool, runner):
         self.grads = grads
         self.group = group
         self.world = world
         self.use_reduce_scatter = use_reduce_scatter
-        self.scratch = {}
+        self.runner = runner
+        # Four buckets in flight let one micro-step's reductions run on into the next forward.
+        self.staging = StagingRing(slots=4)
+        self.scratch = {}            # receive buffer, used only inside reduce jobs
+        self.inflight: List = []     # jobs not yet waited for, in submission order
 
-    def reduce_bucket(self, params: Sequence[torch.nn.Parameter], comm_dtype: torch.dtype) -> List[torch.Tensor]:
-        """Sum the bucket's gradients over the grad shard group; return, per parameter, this rank's atoms
-        ([T_g * atom] elements, row-major), views into a scratch buffer valid until the next bucket."""
-        rows, d_g = self.grads.buffer.rows, self.group.size
-        sizes = [rows * self.grads.buffer.columns[p.ds_id].atom for p in params]
+    def reduce_bucket(self, params: Sequence[torch.nn.Parameter], comm_dtype: torch.dtype):
+        """Pack the bucket's gradients (training thread) and submit their reduction into the gradient shard.
+        Returns the job; the gradients may be freed at once."""
+        buffer, d_g = self.grads.buffer, self.group.size
+        rows = buffer.rows
+        sizes = [rows * buffer.columns[p.ds_id].atom for p in params]
         width = sum(sizes)
         device = params[0].grad.device
-        send = scratch(self.scratch, "send", d_g * width, comm_dtype, device).view(d_g, width)
+        index, send = self.staging.acquire(d_g * width, comm_dtype, device)
+        send = send.view(d_g, width)
         offset = 0
         for param, size in zip(params, sizes):
             # The [d_g, T_g, atom] region seen as [T_g, d_g, atom]: row t, member i <- atom t*d_g + i.
@@ -69,16 +78,30 @@ class GradReduce:
             pack_transposed(region, param.grad)
             offset += size
         send.div_(self.world)
-        with ledger.tagged("asynchzp.grad_reduce_scatter"):
-            if self.use_reduce_scatter:
-                mine = scratch(self.scratch, "recv", width, comm_dtype, device)
-                reduce_scatter(mine, send.view(-1), self.group).wait()
-            else:
-                # zero_optimization.reduce_scatter = false: the same sum through an all-reduce, as stock does.
-                all_reduce(send.view(-1), self.group).wait()
-                mine = send[self.group.rank]
-        out, offset = [], 0
-        for size in sizes:
-            out.append(mine[offset:offset + size])
-            offset += size
-        return out
+        targets = [buffer.atoms(p) for p in params]
+        self.grads.begin_accumulate(params)
+
+        def job() -> None:
+            with ledger.tagged("asynchzp.grad_reduce_scatter"):
+                if self.use_reduce_scatter:
+                    mine = scratch(self.scratch, "recv", width, comm_dtype, send.device)
+                    reduce_scatter(mine, send.view(-1), self.group).wait()
+                else:
+                    # zero_optimization.reduce_scatter = false: the same sum through an all-reduce, as stock does.
+                    all_reduce(send.view(-1), self.group).wait()
+                    mine = send[self.group.rank]
+            start = 0
+            for atoms, size in zip(targets, sizes):
+                atoms.add_(mine[start:start + size].view(atoms.shape))
+                start += size
+
+        pending = self.runner.submit(job, "gradient reduce-scatter", self.group.name)
+        self.staging.hold(index, pending)
+        self.inflight.append(pending)
+        return pending
+
+    def drain(self) -> None:
+        """Wait until every submitted bucket is in the gradient shard."""
+        jobs, self.inflight = self.inflight, []
+        for job in jobs:
+            job.wait()

@@ -3,106 +3,201 @@
 Replaces DeepSpeed's per-parameter `all_gather_coalesced`, which the parameter coordinator calls for every
 module in forward and backward. One all-gather per dtype (a concatenation would silently promote a bf16
 parameter gathered with an fp32 one); each member contributes its T_p atoms of every requested parameter, and
-the gathered [d_p, T_p, atom] block is transposed locally into atom order.
+the gathered [d_p, T_p, atom] block is transposed into a pool buffer per parameter, in atom order.
+
+The gathers run as jobs of the `gather` thread. Each job first waits for the parameter refresh of the columns
+it reads (the once-per-step refresh runs on the boundary thread, overlapped with the forward). The handle the
+coordinator waits on publishes the parameters; their buffers go back to the pool when the coordinator releases
+them (`released`).
+
+Prefetch: the sequence of requests of one micro-step (forward then backward, from `new_sequence` to the next)
+is recorded; while the next micro-step repeats it, each request also submits the next `prefetch_depth` ones,
+so their gathers run while the current module computes. A request that departs from the recording stops the
+prefetch for the rest of the sequence and becomes the new recording; a prefetched gather nobody asked for is
+given back at the next sequence. Every rank records the same requests, so every rank issues the same gathers.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Sequence
+from collections import OrderedDict
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..accounting import ledger
 from ..runtime.deepspeed_internals import mark_available, mark_inflight
 from ..runtime.process_groups import Group
+from ..state.buffer_pool import BufferPool
 from ..state.param_shards import ParamShards
-from .collectives import Work, all_gather
+from .collectives import all_gather, scratch
 
-
-class _DtypeGather:
-    """One all-gather in flight for the parameters of one dtype."""
-
-    def __init__(self, params: List[torch.nn.Parameter], shards: ParamShards, group: Group):
-        self.params = params
-        self.shards, self.group = shards, group
-        rows = shards.rows
-        self.sizes = [rows * shards.buffer_of(p).columns[p.ds_id].atom for p in params]
-        width = sum(self.sizes)
-        first = shards.buffer_of(params[0]).data
-        send = torch.empty(width, dtype=first.dtype, device=first.device)
-        offset = 0
-        for param, size in zip(params, self.sizes):
-            send[offset:offset + size].view(rows, -1).copy_(shards.buffer_of(param).atoms(param))
-            offset += size
-        # Both stay referenced until wait(): the collective reads `send` and writes `recv` in the background.
-        self.send = send
-        self.recv = torch.empty(group.size * width, dtype=send.dtype, device=send.device)
-        self.work: Work = all_gather(self.recv, send, group, async_op=True)
-
-    def finish(self, into: Callable[[torch.nn.Parameter], torch.Tensor] = None) -> List[torch.Tensor]:
-        """Wait, then lay each parameter out in atom order: a fresh tensor per parameter, or `into(param)`."""
-        self.work.wait()
-        d_p, rows, width = self.group.size, self.shards.rows, sum(self.sizes)
-        gathered = self.recv.view(d_p, width)
-        out, offset = [], 0
-        for param, size in zip(self.params, self.sizes):
-            block = gathered[:, offset:offset + size].view(d_p, rows, -1)
-            offset += size
-            if rows == 1 and into is None:
-                # d_p = d_o: member j holds atom j, so the block is already in order; keep it as a view.
-                full = block.reshape(-1)
-            else:
-                full = torch.empty(d_p * size, dtype=self.recv.dtype, device=self.recv.device)
-                full.view(rows, d_p, -1).copy_(block.transpose(0, 1))
-            full = full.narrow(0, 0, param.ds_numel).view(param.ds_shape)
-            if into is not None:
-                into(param).copy_(full)
-            out.append(full)
-        self.send = self.recv = None
-        return out
+Key = Tuple[int, ...]
 
 
 class GatherHandle:
     """What the parameter coordinator waits on; `wait` publishes the full parameters (idempotent: the
     coordinator calls it once per parameter of a coalesced fetch)."""
 
-    def __init__(self, gathers: List[_DtypeGather]):
-        self.gathers = gathers
+    def __init__(self, owner: "ParamGather", params: List[torch.nn.Parameter], job):
+        self.owner, self.params, self.job = owner, params, job
         self.complete = False
 
     def wait(self, handle_dependency: bool = True) -> None:
         if self.complete:
             return
-        for gather in self.gathers:
-            for param, full in zip(gather.params, gather.finish()):
-                mark_available(param, full)
+        slots: Dict[int, torch.Tensor] = self.job.wait()
+        for param in self.params:
+            slot = slots[param.ds_id]
+            self.owner.leases[param.ds_id] = slot
+            mark_available(param, slot.narrow(0, 0, param.ds_numel).view(param.ds_shape))
         self.complete = True
+
+    def discard(self) -> None:
+        """A prefetched gather nobody asked for: its buffers go back to the pool unpublished."""
+        for slot in self.job.wait().values():
+            self.owner.pool.release(slot)
 
 
 class ParamGather:
-    def __init__(self, shards: ParamShards, group: Group):
-        self.shards = shards
-        self.group = group
+    def __init__(self, shards: ParamShards, group: Group, runner, pool: BufferPool, refresh_waits,
+                 prefetch_depth: int):
+        self.shards, self.group, self.runner, self.pool = shards, group, runner, pool
+        self.refresh_waits = refresh_waits         # params -> refresh jobs that must finish before a read
+        self.prefetch_depth = prefetch_depth if runner.is_async else 0
+        self.leases: Dict[int, torch.Tensor] = {}  # ds_id -> pool buffer its published full value lives in
+        self.scratch = {}                          # send/receive buffers, used only inside gather jobs
+        self._recording: List[Tuple[Key, List[torch.nn.Parameter]]] = []
+        self._replay: List[Tuple[Key, List[torch.nn.Parameter]]] = []
+        self._position: Optional[int] = 0
+        self._prefetched: "OrderedDict[Key, GatherHandle]" = OrderedDict()
+        # Requests served, of them already prefetched, and sequences that departed from the recording.
+        self.stats = {"requests": 0, "prefetched": 0, "departures": 0}
 
-    def _start(self, params: Sequence[torch.nn.Parameter]) -> List[_DtypeGather]:
+    # ------------------------------------------------------------------------------ the gather job
+    def _submit(self, params: Sequence[torch.nn.Parameter], tag: str):
+        params = sorted(params, key=lambda p: p.ds_id)     # the concatenation order is part of the contract
         by_dtype: Dict[torch.dtype, List[torch.nn.Parameter]] = {}
-        # Same order on every rank: the concatenation order is part of the collective's contract.
-        for param in sorted(params, key=lambda p: p.ds_id):
+        for param in params:
             by_dtype.setdefault(self.shards.buffer_of(param).data.dtype, []).append(param)
-        return [_DtypeGather(group, self.shards, self.group) for _, group in sorted(by_dtype.items(), key=lambda kv: str(kv[0]))]
+        groups = [members for _, members in sorted(by_dtype.items(), key=lambda kv: str(kv[0]))]
+        waits = self.refresh_waits(params)
+        # Output buffers are taken here, on the training thread, in program order: which pooled buffer is free
+        # then depends only on what the training thread released before, never on thread timing (so the pool
+        # stops growing once warmed up); on CUDA the job's stream is ordered after those releases by the event
+        # recorded at submit.
+        rows, d_p = self.shards.rows, self.group.size
+        slots = {}
+        for param in params:
+            data = self.shards.buffer_of(param).data
+            atom = self.shards.buffer_of(param).columns[param.ds_id].atom
+            slots[param.ds_id] = self.pool.acquire(d_p * rows * atom, data.dtype, data.device)
 
+        def job() -> Dict[int, torch.Tensor]:
+            for refresh in waits:
+                refresh.wait()
+            with ledger.tagged(tag):
+                for members in groups:
+                    self._gather(members, slots)
+            return slots
+
+        return self.runner.submit(job, "parameter all-gather", self.group.name)
+
+    def _gather(self, params: List[torch.nn.Parameter], slots: Dict[int, torch.Tensor]) -> None:
+        shards, rows, d_p = self.shards, self.shards.rows, self.group.size
+        sizes = [rows * shards.buffer_of(p).columns[p.ds_id].atom for p in params]
+        width = sum(sizes)
+        data = shards.buffer_of(params[0]).data
+        send = scratch(self.scratch, "send", width, data.dtype, data.device)
+        offset = 0
+        for param, size in zip(params, sizes):
+            send[offset:offset + size].view(rows, -1).copy_(shards.buffer_of(param).atoms(param))
+            offset += size
+        recv = scratch(self.scratch, "recv", d_p * width, data.dtype, data.device)
+        all_gather(recv, send, self.group).wait()
+        gathered = recv.view(d_p, width)
+        offset = 0
+        for param, size in zip(params, sizes):
+            block = gathered[:, offset:offset + size].view(d_p, rows, -1)
+            offset += size
+            slots[param.ds_id].view(rows, d_p, -1).copy_(block.transpose(0, 1))
+
+    # --------------------------------------------------------------------- the coordinator's entry points
     def all_gather_coalesced(self, params, safe_mode: bool = False, quantize: bool = False,
                              tag: str = "asynchzp.param_gather") -> GatherHandle:
         """Drop-in for DeepSpeed's per-parameter `all_gather_coalesced` (same arguments, same handle protocol)."""
         params = list(params)
         mark_inflight(params)
-        with ledger.tagged(tag):
-            return GatherHandle(self._start(params))
+        key: Key = tuple(sorted(p.ds_id for p in params))
+        handle = self._prefetched.pop(key, None)
+        self.stats["requests"] += 1
+        if handle is not None:
+            self.stats["prefetched"] += 1
+            handle.params = params
+        else:
+            handle = GatherHandle(self, params, self._submit(params, tag))
+        self._follow(key, params)
+        return handle
+
+    def released(self, param) -> None:
+        """The coordinator released `param` (its data no longer points into the pool buffer): reuse the buffer."""
+        slot = self.leases.get(param.ds_id)
+        if slot is None:
+            return
+        if param.data.numel() and param.data.data_ptr() == slot.data_ptr():
+            return    # still published (persistent, or kept for reuse)
+        del self.leases[param.ds_id]
+        self.pool.release(slot)
 
     def regather_in_place(self, params: Sequence[torch.nn.Parameter]) -> None:
         """Rewrite already-gathered parameters (ZeRO-3 persistent ones) from their refreshed shards, in place."""
         if not params:
             return
-        with ledger.tagged("asynchzp.persistent_regather"):
-            for gather in self._start(params):
-                gather.finish(into=lambda p: p.data)
+        slots = self._submit(params, "asynchzp.persistent_regather").wait()
+        for param in params:
+            slot = slots[param.ds_id]
+            param.data.copy_(slot.narrow(0, 0, param.ds_numel).view(param.ds_shape))
+            self.pool.release(slot)
+
+    def full_value(self, param) -> torch.Tensor:
+        """A copy of the full parameter built from its shard (collective; publishes nothing)."""
+        slot = self._submit([param], "asynchzp.inspect").wait()[param.ds_id]
+        value = slot.narrow(0, 0, param.ds_numel).view(param.ds_shape).clone()
+        self.pool.release(slot)
+        return value
+
+    # ------------------------------------------------------------------------------------- prefetch
+    def new_sequence(self) -> None:
+        """A micro-step starts (the engine's forward): replay the last recording from its start."""
+        self.drop_prefetched()
+        if self._recording:
+            self._replay = self._recording
+        self._recording = []
+        self._position = 0
+
+    def pause(self) -> None:
+        """The shards are about to be rewritten (optimizer step, checkpoint load, a modified parameter): give back
+        what was prefetched from the old values and prefetch nothing until the next micro-step starts."""
+        self.drop_prefetched()
+        self._position = None
+
+    def drop_prefetched(self) -> None:
+        """Give back every prefetched gather not asked for (also before anything rewrites the shards)."""
+        while self._prefetched:
+            _, handle = self._prefetched.popitem(last=False)
+            handle.discard()
+
+    def _follow(self, key: Key, params: List[torch.nn.Parameter]) -> None:
+        self._recording.append((key, params))
+        if self._position is None:
+            return
+        if self._position < len(self._replay) and self._replay[self._position][0] == key:
+            self._position += 1
+        else:
+            self._position = None       # the sequence departs from the recording: stop prefetching
+            self.stats["departures"] += 1
+            self.drop_prefetched()
+            return
+        for ahead_key, ahead_params in self._replay[self._position:self._position + self.prefetch_depth]:
+            if ahead_key not in self._prefetched:
+                self._prefetched[ahead_key] = GatherHandle(self, ahead_params,
+                                                           self._submit(ahead_params, "asynchzp.param_gather"))

@@ -1,20 +1,29 @@
 """Once per optimizer step, the only traffic that crosses nodes: the gradient sum and the parameter refresh.
 
-Both walk their buffer in column chunks of at most one bucket, through reusable scratch, so the transient
-memory is one bucket, not one shard.
+Both walk their buffer in column chunks of at most one bucket, each chunk one job of the `boundary` thread, so
+the transient memory is one bucket and the cross-node hop overlaps compute:
 
 * Gradients: the T_g = d_o / d_g ranks {h*d_o + k*d_g + i : k} each hold row k' of the others' atoms; member
   k receives row k from every member and sums them in fp32 into its own atom. Each rank sends only the sums
   the others own, once, in the communication dtype. gloo's reduce-scatter is an all-reduce underneath (twice
   the bytes), so on gloo this is a pairwise exchange (all-to-all); elsewhere the backend's reduce-scatter.
   With d_o < N the N / d_o optimizer replicas then all-reduce the own atoms.
+  During the last backward of a window, a chunk is submitted as soon as every parameter in it has had its
+  bucket submitted for reduction (`grads_complete`); its job first waits for those reductions. The rest are
+  submitted when the backward ends (`submit_remaining`), and whoever reads a gradient waits (`wait_grads`).
 * Parameters: after the optimizer step each rank's own atoms are updated; the T_p = d_o / d_p ranks
-  {h*d_o + t*d_p + j : t} all-gather them, which rebuilds row t of every member's parameter shard.
+  {h*d_o + t*d_p + j : t} all-gather them, which rebuilds row t of every member's parameter shard. The chunks
+  are submitted in column order, which is the order the forward first uses them, and a gather reading a
+  parameter waits only for the chunks that hold it (`refresh_waits`).
+
+Every rank submits the same chunks in the same order: a chunk's readiness depends only on which buckets were
+submitted, never on when a reduction finished.
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+import bisect
+from typing import Dict, Iterable, List, Optional
 
 import torch
 
@@ -25,59 +34,179 @@ from ..state.sharded_buffer import ShardedBuffer
 from .collectives import all_gather, all_reduce, all_to_all, backend_reduce_scatter_is_optimal, reduce_scatter, scratch
 
 
+class _Chunks:
+    """The column chunks of one buffer, and which chunks a parameter's columns fall in."""
+
+    def __init__(self, buffer: ShardedBuffer, bucket_elements: int):
+        self.ranges = list(buffer.column_chunks(bucket_elements))
+        self.starts = [start for start, _ in self.ranges]
+        self.of_param: Dict[int, List[int]] = {}
+        self.members: List[set] = [set() for _ in self.ranges]
+        for param in buffer.params:
+            c = buffer.columns[param.ds_id]
+            if c.atom == 0:
+                continue
+            first = bisect.bisect_right(self.starts, c.offset) - 1
+            last = bisect.bisect_right(self.starts, c.offset + c.atom - 1) - 1
+            self.of_param[param.ds_id] = list(range(first, last + 1))
+            for index in range(first, last + 1):
+                self.members[index].add(param.ds_id)
+
+
 class StepBoundary:
-    def __init__(self, groups: ProcessGroups, bucket_elements: int):
+    def __init__(self, groups: ProcessGroups, bucket_elements: int, runner):
         self.groups = groups
         self.bucket_elements = max(1, int(bucket_elements))
         self.pairwise = not backend_reduce_scatter_is_optimal(groups.grad_boundary)
-        self.scratch = {}
+        self.runner = runner
+        self.scratch = {}                 # used only inside boundary jobs
+        self._grad_chunks: Optional[_Chunks] = None
+        self._grad_jobs: Dict[int, object] = {}       # chunk index -> job, this window
+        self._waiting: List[set] = []                 # per chunk: parameters whose bucket is not submitted yet
+        self._bucket_jobs: List[set] = []             # per chunk: reduce jobs it must wait for
+        self._completed: set = set()
+        self._refresh: Dict[str, tuple] = {}          # buffer name -> (chunks, jobs)
 
     # ------------------------------------------------------------------------------- gradients
-    @torch.no_grad()
-    def reduce_grads(self, grads: GradShards, comm_dtype: torch.dtype) -> None:
-        buffer = grads.buffer
-        boundary, outer = self.groups.grad_boundary, self.groups.outer_replica
-        rows, device = buffer.rows, buffer.data.device
-        for start, end in buffer.column_chunks(self.bucket_elements):
-            cols = end - start
-            own = buffer.data[buffer.own_row, start:end]
-            if rows > 1:
-                send = scratch(self.scratch, "grad_send", rows * cols, comm_dtype, device).view(rows, cols)
-                send.copy_(buffer.data[:, start:end])
-                with ledger.tagged("asynchzp.boundary_grad"):
-                    if self.pairwise:
-                        recv = scratch(self.scratch, "grad_recv", rows * cols, comm_dtype, device).view(rows, cols)
-                        all_to_all(recv.view(-1), send.view(-1), boundary).wait()
-                        total = scratch(self.scratch, "grad_sum", cols, torch.float32, device)
-                        total.copy_(recv[0])
-                        for row in recv[1:]:
-                            total.add_(row)
-                    else:
-                        total = scratch(self.scratch, "grad_sum", cols, comm_dtype, device)
-                        reduce_scatter(total, send.view(-1), boundary).wait()
-                own.copy_(total)
-            if outer.size > 1:
-                with ledger.tagged("asynchzp.boundary_allreduce"):
-                    if own.dtype == comm_dtype:
-                        all_reduce(own, outer).wait()
-                    else:
-                        staged = scratch(self.scratch, "grad_outer", cols, comm_dtype, device)
-                        staged.copy_(own)
-                        all_reduce(staged, outer).wait()
-                        own.copy_(staged)
+    def _start_window(self, grads: GradShards) -> None:
+        if self._grad_chunks is None:
+            self._grad_chunks = _Chunks(grads.buffer, self.bucket_elements)
+        if not self._waiting:
+            self._waiting = [set(m) for m in self._grad_chunks.members]
+            self._bucket_jobs = [[] for _ in self._grad_chunks.ranges]
+
+    def grads_complete(self, grads: GradShards, params, reduce_job, comm_dtype: torch.dtype) -> None:
+        """The last backward of the window submitted these parameters' bucket (`reduce_job`): submit every chunk
+        whose parameters are now all submitted."""
+        self._start_window(grads)
+        chunks = self._grad_chunks
+        for param in params:
+            if param.ds_id in self._completed:
+                raise RuntimeError(
+                    f"parameter {param.ds_id} was reduced twice in the last backward of an accumulation window, "
+                    "after its gradients had started crossing nodes; a parameter must produce its gradient once "
+                    "per backward")
+            self._completed.add(param.ds_id)
+            for index in chunks.of_param.get(param.ds_id, ()):
+                self._waiting[index].discard(param.ds_id)
+                self._bucket_jobs[index].append(reduce_job)
+        for param in params:
+            for index in chunks.of_param.get(param.ds_id, ()):
+                if not self._waiting[index] and index not in self._grad_jobs:
+                    self._submit_grad_chunk(grads, index, comm_dtype)
+
+    def submit_remaining(self, grads: GradShards, comm_dtype: torch.dtype, reduce_jobs: Iterable) -> None:
+        """The window's last backward is over: submit every chunk not yet submitted (after all reductions)."""
+        if grads.window is not Window.ACCUMULATING:
+            return
+        self._start_window(grads)
+        reduce_jobs = list(reduce_jobs)
+        for index in range(len(self._grad_chunks.ranges)):
+            if index not in self._grad_jobs:
+                self._bucket_jobs[index] = reduce_jobs
+                self._submit_grad_chunk(grads, index, comm_dtype)
         grads.window = Window.REDUCED
 
+    def wait_grads(self) -> None:
+        for index in sorted(self._grad_jobs):
+            self._grad_jobs[index].wait()
+
+    def end_window(self) -> None:
+        """After the step (or a discarded window): forget this window's chunks. Their jobs must be done."""
+        self.wait_grads()
+        self._grad_jobs.clear()
+        self._waiting, self._bucket_jobs = [], []
+        self._completed.clear()
+
+    def _submit_grad_chunk(self, grads: GradShards, index: int, comm_dtype: torch.dtype) -> None:
+        start, end = self._grad_chunks.ranges[index]
+        dependencies = list(self._bucket_jobs[index])
+
+        def job() -> None:
+            for reduction in dependencies:
+                reduction.wait()
+            self._reduce_chunk(grads.buffer, start, end, comm_dtype)
+
+        self._grad_jobs[index] = self.runner.submit(job, "cross-node gradient reduction",
+                                                    self.groups.grad_boundary.name)
+
+    def _reduce_chunk(self, buffer: ShardedBuffer, start: int, end: int, comm_dtype: torch.dtype) -> None:
+        boundary, outer = self.groups.grad_boundary, self.groups.outer_replica
+        rows, device, cols = buffer.rows, buffer.data.device, end - start
+        own = buffer.data[buffer.own_row, start:end]
+        if rows > 1:
+            send = scratch(self.scratch, "grad_send", rows * cols, comm_dtype, device).view(rows, cols)
+            send.copy_(buffer.data[:, start:end])
+            with ledger.tagged("asynchzp.boundary_grad"):
+                if self.pairwise:
+                    recv = scratch(self.scratch, "grad_recv", rows * cols, comm_dtype, device).view(rows, cols)
+                    all_to_all(recv.view(-1), send.view(-1), boundary).wait()
+                    total = scratch(self.scratch, "grad_sum", cols, torch.float32, device)
+                    total.copy_(recv[0])
+                    for row in recv[1:]:
+                        total.add_(row)
+                else:
+                    total = scratch(self.scratch, "grad_sum", cols, comm_dtype, device)
+                    reduce_scatter(total, send.view(-1), boundary).wait()
+            own.copy_(total)
+        if outer.size > 1:
+            with ledger.tagged("asynchzp.boundary_allreduce"):
+                if own.dtype == comm_dtype:
+                    all_reduce(own, outer).wait()
+                else:
+                    staged = scratch(self.scratch, "grad_outer", cols, comm_dtype, device)
+                    staged.copy_(own)
+                    all_reduce(staged, outer).wait()
+                    own.copy_(staged)
+
     # ------------------------------------------------------------------------------ parameters
-    @torch.no_grad()
-    def refresh_params(self, buffers: Iterable[ShardedBuffer]) -> None:
+    def start_refresh(self, buffers: Iterable[ShardedBuffer]) -> None:
+        """Submit the refresh of every chunk of `buffers`, in column order."""
         group = self.groups.param_refresh
         if group.size == 1:
             return
         for buffer in buffers:
-            rows = buffer.rows
-            for start, end in buffer.column_chunks(self.bucket_elements):
-                cols = end - start
-                recv = scratch(self.scratch, "param_recv", rows * cols, buffer.data.dtype, buffer.data.device)
-                with ledger.tagged("asynchzp.param_refresh"):
-                    all_gather(recv, buffer.data[buffer.own_row, start:end], group).wait()
-                buffer.data[:, start:end].copy_(recv.view(rows, cols))
+            chunks = _Chunks(buffer, self.bucket_elements)
+            jobs = [self.runner.submit(self._refresh_job(buffer, start, end), "parameter refresh", group.name)
+                    for start, end in chunks.ranges]
+            self._refresh[buffer.name] = (chunks, jobs)
+
+    def _refresh_job(self, buffer: ShardedBuffer, start: int, end: int):
+        group, rows, own_row = self.groups.param_refresh, buffer.rows, buffer.own_row
+
+        def job() -> None:
+            cols = end - start
+            recv = scratch(self.scratch, "param_recv", rows * cols, buffer.data.dtype, buffer.data.device)
+            with ledger.tagged("asynchzp.param_refresh"):
+                all_gather(recv, buffer.data[own_row, start:end], group).wait()
+            gathered = recv.view(rows, cols)
+            # Every row but the own one, which the gather only read: a reader of DeepSpeed's partition
+            # (a checkpoint save) may be reading it meanwhile.
+            if own_row:
+                buffer.data[:own_row, start:end].copy_(gathered[:own_row])
+            if own_row + 1 < rows:
+                buffer.data[own_row + 1:, start:end].copy_(gathered[own_row + 1:])
+
+        return job
+
+    def refresh_waits(self, params) -> list:
+        """The refresh jobs that hold any of `params`' columns (what a gather of them must wait for)."""
+        if not self._refresh:
+            return []
+        jobs = {}
+        for param in params:
+            for chunks, submitted in self._refresh.values():
+                for index in chunks.of_param.get(param.ds_id, ()):
+                    jobs[id(submitted[index])] = submitted[index]
+        return [job for job in jobs.values() if not job.done]
+
+    def refresh_params(self, buffers: Iterable[ShardedBuffer]) -> None:
+        """Refresh now and wait (construction, checkpoint load)."""
+        self.start_refresh(buffers)
+        self.wait_refresh()
+
+    def wait_refresh(self) -> None:
+        refresh, self._refresh = self._refresh, {}
+        for _, jobs in refresh.values():
+            for job in jobs:
+                job.wait()

@@ -51,6 +51,7 @@ _REQUIRED_CLASS_MEMBERS = [
     (DeepSpeedZeroOptimizer_Stage3, "get_fp32_grad_partitions", "gradient partitions by group"),
     (DeepSpeedZeroOptimizer_Stage3, "update_fp32_grad_for_param_vectorized", "vectorized gradient update"),
     (DeepSpeedEngine, "backward", "the end of a backward pass at the accumulation boundary"),
+    (DeepSpeedEngine, "forward", "the start of a micro-step (prefetch replay)"),
     (DeepSpeedEngine, "_save_zero_checkpoint", "writes one rank's optimizer-state file"),
     (DeepSpeedZeroOptimizer_Stage3, "partition_grads", "stores reduced gradient partitions"),
     (DeepSpeedZeroOptimizer_Stage3, "_post_step", "runs after the optimizer step (secondary invalidation)"),
@@ -123,6 +124,7 @@ _STAGE3_INSTANCE_ATTRIBUTES = [
     ("gradient_predivide_factor", "gradient averaging"),
     ("postscale_gradients", "gradient averaging"),
     ("timers", "step timers logged after the refresh"),
+    ("_is_gradient_accumulation_boundary", "whether the running backward ends the accumulation window"),
 ]
 
 
@@ -136,6 +138,11 @@ def check_stage3_instance(optimizer) -> None:
 def stage3_bucket_params(optimizer, communication_data_type):
     """The parameters in Stage 3's gradient bucket of one communication dtype, in bucket order."""
     return optimizer.ipg_buckets[communication_data_type].params
+
+
+def at_accumulation_boundary(optimizer) -> bool:
+    """Whether the backward that is running is the last of the accumulation window (the engine sets it first)."""
+    return bool(optimizer._is_gradient_accumulation_boundary)
 
 
 def stage3_persistent_parameters(optimizer):
@@ -214,20 +221,26 @@ def repartition(params, group) -> None:
 _ORIGINALS_ATTR = "_hzp_deepspeed_closures"
 
 
-def install_param_hooks(param, all_gather_coalesced: Callable, after_update: Callable) -> None:
-    """Route the coordinator's gathers (`param.all_gather_coalesced`) to ours, and call
-    `after_update(param, full_data)` when a caller re-partitions a modified parameter
-    (`GatheredParameters(modifier_rank=...)` passes has_been_updated=True). `restore_param_hooks` undoes it."""
+def install_param_hooks(param, all_gather_coalesced: Callable, after_update: Callable,
+                        after_release: Callable) -> None:
+    """Route the coordinator's gathers (`param.all_gather_coalesced`) to ours; call `after_update(param,
+    full_data)` when a caller re-partitions a modified parameter (`GatheredParameters(modifier_rank=...)` passes
+    has_been_updated=True), and `after_release(param)` after every re-partition (the coordinator releasing a
+    gathered parameter). `restore_param_hooks` undoes it."""
     if not hasattr(param, _ORIGINALS_ATTR):
         setattr(param, _ORIGINALS_ATTR, (param.all_gather_coalesced, param.partition))
     _, original_partition = getattr(param, _ORIGINALS_ATTR)
 
     def partition(param_list=None, hierarchy=0, has_been_updated=False, free_data=True):
+        params = param_list or [param]
         if has_been_updated:
-            for p in (param_list or [param]):
+            for p in params:
                 after_update(p, p.data)
-        return original_partition(param_list=param_list, hierarchy=hierarchy, has_been_updated=has_been_updated,
-                                  free_data=free_data)
+        result = original_partition(param_list=param_list, hierarchy=hierarchy, has_been_updated=has_been_updated,
+                                    free_data=free_data)
+        for p in params:
+            after_release(p)
+        return result
 
     param.all_gather_coalesced = all_gather_coalesced
     param.partition = partition
@@ -278,3 +291,4 @@ __all__ = [
     "install_param_hooks", "restore_param_hooks", "stage3_model_state_tensors", "backend_name", "comm_backend",
     "ds_comm",
 ]
+

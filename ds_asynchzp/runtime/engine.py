@@ -1,5 +1,6 @@
-"""The engine: stock `DeepSpeedEngine`, except that ZeRO-3 builds the hierarchical optimizer and the end of the
-last backward of an accumulation window sums the window's gradients across nodes."""
+"""The engine: stock `DeepSpeedEngine`, except that ZeRO-3 builds the hierarchical optimizer, a forward starts
+the prefetch's replay of the recorded fetch order, and the end of the last backward of an accumulation window
+starts the cross-node sum of the chunks still missing."""
 
 from __future__ import annotations
 
@@ -27,12 +28,17 @@ class AsyncHZPEngine(DeepSpeedEngine):
                 "another ZeRO path (check zero_optimization.stage == 3 and that super_offload / offload are off)")
         return zero_optimizer
 
+    def forward(self, *args, **kwargs):
+        if isinstance(self.optimizer, HierarchicalZeroOptimizer):
+            self.optimizer.hzp_new_micro_step()
+        return super().forward(*args, **kwargs)
+
     def backward(self, *args, **kwargs):
         result = super().backward(*args, **kwargs)
-        # After the whole backward (every reentrant phase included), the window's gradients are final: sum them
-        # across nodes now, so that safe_get_full_grad and friends see them before step().
+        # After the whole backward (every reentrant phase included), the window's gradients are final: start
+        # the cross-node sum of every chunk not started yet. Readers (step(), safe_get_full_grad) wait for it.
         if isinstance(self.optimizer, HierarchicalZeroOptimizer) and self.is_gradient_accumulation_boundary():
-            self.optimizer.hzp_finish_window()
+            self.optimizer.hzp_start_window_reduction()
         return result
 
 

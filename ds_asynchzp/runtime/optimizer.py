@@ -6,11 +6,17 @@ changes, and where:
 
 * construction: DeepSpeed partitions over the optimizer group (d_o ranks), and its flat parameter and gradient
   buffers become the own rows of our shard buffers (`ParamShards`, `GradShards`): every state exists once;
-* per micro-step: the coordinator's gathers read the parameter shards inside the d_p group (`ParamGather`);
-  each gradient bucket is reduced inside the d_g group and added to the gradient shard (`GradReduce`);
-* once per step: the gradient sum across nodes, at the end of the last backward of the window or, at the
-  latest, in `step()` (`StepBoundary.reduce_grads`); the stock step; then the parameter refresh
-  (`StepBoundary.refresh_params`) and, for ZeRO-3 persistent parameters, one in-place regather.
+* per micro-step: the coordinator's gathers read the parameter shards inside the d_p group (`ParamGather`,
+  on the gather thread, prefetched); each gradient bucket is packed on the training thread, then reduced
+  inside the d_g group and added to the gradient shard on the reduce thread (`GradReduce`);
+* once per step: the gradient sum across nodes, chunk by chunk as the last backward of the window completes
+  them (`StepBoundary.grads_complete`, on the boundary thread); the stock step once every chunk is summed
+  (with gradient clipping the global norm needs all of them, so the step waits for the last); then the
+  parameter refresh, submitted chunk by chunk and waited for by each gather that reads a chunk, so it
+  overlaps the next forward; ZeRO-3 persistent parameters are regathered in place once.
+
+Threads, streams and their groups come from `ds_asynchzp.scheduler.context`; with `async_comm: false` the same
+jobs run inline, in the same order.
 
 Who owns what: DeepSpeed owns the fp32 master atoms and Adam moments (12 bytes per parameter / d_o) and
 the logic of the step; `ParamShards` owns every low-precision parameter byte, `GradShards` every gradient
@@ -30,10 +36,13 @@ from ..comm.collectives import broadcast
 from ..comm.grad_reduce import GradReduce
 from ..comm.param_gather import ParamGather
 from ..comm.step_boundary import StepBoundary
+from ..scheduler.context import CommContext
+from ..state.buffer_pool import BufferPool
 from ..state.grad_shards import GradShards, Window
 from ..state.param_shards import ParamShards
 from .deepspeed_internals import (STAGE3_AVG_SCATTER_CONTIGUOUS_GRADS, STAGE3_AVG_SCATTER_GRADS,
-                                  DeepSpeedZeroOptimizer_Stage3, check_stage3_instance, ds_comm,
+                                  DeepSpeedZeroOptimizer_Stage3, at_accumulation_boundary, check_stage3_instance,
+                                  ds_comm,
                                   install_param_hooks, is_available, is_zero_param, partition_group_of,
                                   rehome_stage3_grad_flat,
                                   rehome_stage3_param_flat, repartition, restore_param_hooks, stage3_bucket_params,
@@ -71,14 +80,20 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
 
         frozen = [p for p in module.parameters() if is_zero_param(p) and not self.hzp_params.holds(p)]
         self.hzp_params.adopt_frozen(frozen)
-        self.hzp_gather = ParamGather(self.hzp_params, self.hzp_groups.param_shard)
+        device = self.hzp_trainable_buffer.data.device
+        self.hzp_comm = CommContext(layout.async_comm, layout.comm_timeout_s, device, ds_comm.get_rank(),
+                                    ds_comm.get_world_size())
+        bucket = layout.boundary_bucket_size or max(int(self.reduce_bucket_size), 1)
+        self.hzp_boundary = StepBoundary(self.hzp_groups, bucket, self.hzp_comm.boundary)
+        self.hzp_pool = BufferPool()
+        self.hzp_gather = ParamGather(self.hzp_params, self.hzp_groups.param_shard, self.hzp_comm.gather,
+                                      self.hzp_pool, self.hzp_boundary.refresh_waits, layout.prefetch_depth)
         self.hzp_reduce = GradReduce(self.hzp_grads, self.hzp_groups.grad_shard, layout.world_size,
-                                     use_reduce_scatter=self.reduce_scatter)
-        bucket = max(int(self.reduce_bucket_size), 1)
-        self.hzp_boundary = StepBoundary(self.hzp_groups, bucket_elements=bucket)
+                                     self.reduce_scatter, self.hzp_comm.reduce)
         self.hzp_boundary.refresh_params(self.hzp_params.buffers)
         for param in self.hzp_params.params:
-            install_param_hooks(param, self.hzp_gather.all_gather_coalesced, self._hzp_parameter_updated)
+            install_param_hooks(param, self.hzp_gather.all_gather_coalesced, self._hzp_parameter_updated,
+                                self.hzp_gather.released)
         if layout.log_layout and ds_comm.get_rank() == 0:
             print(f"[ds_asynchzp] {layout.describe()}", flush=True)
 
@@ -112,19 +127,22 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
     # ----------------------------------------------------------------------------- per micro-step
     @torch.no_grad()
     def _hzp_reduce_bucket(self, params_to_reduce, communication_data_type: torch.dtype) -> List[torch.Tensor]:
-        """Replaces Stage 3's bucket reduce-scatter over the world: reduce inside the grad shard group."""
-        return self.hzp_reduce.reduce_bucket(params_to_reduce, communication_data_type)
+        """Replaces Stage 3's bucket reduce-scatter over the world: reduce inside the grad shard group, in the
+        background; in the last backward of the window, start each completed chunk's cross-node sum."""
+        job = self.hzp_reduce.reduce_bucket(params_to_reduce, communication_data_type)
+        if at_accumulation_boundary(self):
+            self.hzp_boundary.grads_complete(self.hzp_grads, params_to_reduce, job, self.communication_data_type)
+        return [None] * len(params_to_reduce)
 
     @torch.no_grad()
     def _hzp_reduce_contiguous_bucket(self, buffer_to_reduce, communication_data_type: torch.dtype):
         """Replaces Stage 3's all-reduce path (`reduce_scatter: false`); same result, same collective kind."""
-        return self.hzp_reduce.reduce_bucket(stage3_bucket_params(self, communication_data_type),
-                                         communication_data_type)
+        return self._hzp_reduce_bucket(list(stage3_bucket_params(self, communication_data_type)),
+                                       communication_data_type)
 
     def partition_grads(self, params_to_release, grad_partitions) -> list:
-        """Add each bucket's reduced atoms into the gradient shard; stock writes the 1/world partition here."""
-        for param, reduced in zip(params_to_release, grad_partitions):
-            self.hzp_grads.accumulate(param, reduced)
+        """The bucket was packed for reduction already (`_hzp_reduce_bucket`): the gradients can go."""
+        for param in params_to_release:
             param.grad = None
         return []
 
@@ -133,17 +151,47 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         """A caller changed a gathered parameter (`GatheredParameters(modifier_rank=r)`). DeepSpeed broadcast it
         from rank r of the parameter's partition group; with d_o < N that group is one optimizer group of
         several, so the first group's value is broadcast to the others, as stock ZeRO-3 has one source for all."""
+        self._hzp_quiesce_params()
         outer = self.hzp_groups.outer_replica
         if outer.size > 1:
-            with ledger.tagged("asynchzp.modified_parameter"):
-                broadcast(full.data, outer, 0).wait()
+            def job():
+                with ledger.tagged("asynchzp.modified_parameter"):
+                    broadcast(full.data, outer, 0).wait()
+            self.hzp_comm.boundary.submit(job, "modified-parameter broadcast", outer.name).wait()
         self.hzp_params.set_full(param, full)
 
+    def _hzp_quiesce_params(self) -> None:
+        """Before the parameter shards are rewritten: no gather may read them, no refresh may write them."""
+        self.hzp_gather.pause()
+        self.hzp_boundary.wait_refresh()
+
+    def hzp_buffer_allocations(self) -> dict:
+        """Buffers the communication path has allocated so far, by pool (constant once warmed up)."""
+        return {"gathered_params": self.hzp_pool.allocations, "grad_staging": self.hzp_reduce.staging.allocations,
+                "gather_scratch": self.hzp_gather.scratch.get("allocations", 0),
+                "reduce_scratch": self.hzp_reduce.scratch.get("allocations", 0),
+                "boundary_scratch": self.hzp_boundary.scratch.get("allocations", 0)}
+
+    def hzp_new_micro_step(self) -> None:
+        """The engine's forward starts a micro-step: the prefetch replays the recorded fetch order."""
+        self.hzp_gather.new_sequence()
+
     # -------------------------------------------------------------------------- accumulation window
-    def hzp_finish_window(self) -> None:
-        """Sum the window's gradients across nodes into the owners' atoms (collective; idempotent)."""
+    def hzp_start_window_reduction(self) -> None:
+        """The window's last backward is over: submit the cross-node sum of every chunk not yet submitted."""
         if self.hzp_grads.window is Window.ACCUMULATING:
-            self.hzp_boundary.reduce_grads(self.hzp_grads, self.communication_data_type)
+            self.hzp_boundary.submit_remaining(self.hzp_grads, self.communication_data_type, self.hzp_reduce.inflight)
+
+    def hzp_finish_window(self) -> None:
+        """Sum the window's gradients across nodes into the owners' atoms and wait (collective; idempotent)."""
+        self.hzp_start_window_reduction()
+        self.hzp_reduce.drain()
+        self.hzp_boundary.wait_grads()
+
+    def _hzp_discard_window(self) -> None:
+        self.hzp_reduce.drain()
+        self.hzp_boundary.end_window()
+        self.hzp_grads.clear()
 
     def finalize_gradient_accumulation_boundary(self):
         super().finalize_gradient_accumulation_boundary()
@@ -153,21 +201,24 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         super().zero_grad(set_to_none=set_to_none)
         # Inside step(), Stage 3 calls zero_grad after the boundary while it still reads the own atoms.
         if not self._hzp_in_step and self.hzp_grads is not None and self.hzp_grads.window is not Window.EMPTY:
-            self.hzp_grads.clear()
+            self._hzp_discard_window()
 
     def step(self, closure=None):
+        self.hzp_gather.pause()
         self.hzp_finish_window()
+        # The previous refresh reads the own atoms the step is about to overwrite.
+        self.hzp_boundary.wait_refresh()
         self._hzp_in_step = True
         try:
             return super().step(closure)
         finally:
             self._hzp_in_step = False
-            self.hzp_grads.clear()
+            self._hzp_discard_window()
 
     def _post_step(self, timer_names):
         # Stock Stage 3 re-gathers persistent parameters over the partition group and drops hpZ secondaries
-        # here; instead the parameter shards are refreshed from the updated atoms, once.
-        self.hzp_boundary.refresh_params([self.hzp_trainable_buffer])
+        # here; instead the parameter shards are refreshed from the updated atoms, in the background.
+        self.hzp_boundary.start_refresh([self.hzp_trainable_buffer])
         self._hzp_regather_persistent(gather_missing=True)
         self.timers.log(timer_names)
 
@@ -210,11 +261,13 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
 
     # -------------------------------------------------------------------------------- checkpoints
     def load_state_dict(self, *args, **kwargs):
+        self._hzp_quiesce_params()
         result = super().load_state_dict(*args, **kwargs)
         self.hzp_boundary.refresh_params(self.hzp_params.buffers)
         return result
 
     def _load_universal_checkpoint(self, *args, **kwargs):
+        self._hzp_quiesce_params()
         result = super()._load_universal_checkpoint(*args, **kwargs)
         self.hzp_boundary.refresh_params(self.hzp_params.buffers)
         return result
@@ -225,6 +278,14 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
 
     # ------------------------------------------------------------------------------------ teardown
     def destroy(self):
+        # Every job finishes (its failure, if any, surfaces here) before the threads stop.
+        try:
+            self.hzp_reduce.drain()
+            self.hzp_boundary.end_window()
+            self._hzp_quiesce_params()
+        finally:
+            self.hzp_comm.close()
+            self.hzp_pool.clear()
         super().destroy()
         params = self.hzp_params.params
         for param in params:

@@ -6,6 +6,11 @@ passes `None` and gets the world group by accident: a one-rank group has no hand
 Groups are built over the data-parallel group DeepSpeed hands the ZeRO optimizer (its ranks, not the global
 world). Every rank creates every group, in one fixed order, including groups it is not a member of: that is
 what `new_group` requires.
+
+Each group has one issuing thread (`OWNER`), and groups of different owners never share a communicator, even
+when their ranks coincide (d_p = d_g makes the gather and reduce groups the same ranks): two threads issuing on
+one communicator interleave their collectives in a different order on each rank, which aborts gloo and hangs
+NCCL. The optimizer group is DeepSpeed's, used only by the training thread.
 """
 
 from __future__ import annotations
@@ -51,6 +56,11 @@ class ProcessGroups:
         self.created.clear()
 
 
+# group -> the thread that issues every collective on it (see ds_asynchzp.scheduler.context)
+OWNER = {"param_shard": "gather", "grad_shard": "reduce", "optimizer": "training", "param_refresh": "boundary",
+         "grad_boundary": "boundary", "outer_replica": "boundary"}
+
+
 def build_process_groups(layout: HierarchicalLayout, dp_global_ranks: List[int], dp_handle) -> ProcessGroups:
     """Create every group of `layout`; `dp_global_ranks[i]` is the global rank of data-parallel rank i."""
     me = ds_comm.get_rank()
@@ -59,7 +69,7 @@ def build_process_groups(layout: HierarchicalLayout, dp_global_ranks: List[int],
                            f"DeepSpeed's data-parallel group has {len(dp_global_ranks)}")
     dp_rank = dp_global_ranks.index(me)
     groups = ProcessGroups(layout=layout, dp_rank=dp_rank)
-    cache: Dict[Tuple[int, ...], object] = {}
+    cache: Dict[Tuple[str, Tuple[int, ...]], object] = {}
 
     def make(name: str, all_groups: List[List[int]], reuse: Optional[object] = None) -> Group:
         mine = None
@@ -69,10 +79,10 @@ def build_process_groups(layout: HierarchicalLayout, dp_global_ranks: List[int],
             if len(ranks) > 1:
                 if reuse is not None and len(ranks) == layout.world:
                     handle = reuse
-                elif ranks in cache:
-                    handle = cache[ranks]
+                elif (OWNER[name], ranks) in cache:
+                    handle = cache[OWNER[name], ranks]
                 else:
-                    handle = cache[ranks] = ds_comm.new_group(list(ranks))
+                    handle = cache[OWNER[name], ranks] = ds_comm.new_group(list(ranks))
                     groups.created.append(handle)
             if me in ranks:
                 mine = Group(name, ranks, handle, ranks.index(me), layout.spans_nodes(list(dp_ranks)))

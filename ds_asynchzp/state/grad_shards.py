@@ -1,7 +1,7 @@
 """The gradient accumulation shard: every rank's d_o / d_g atoms of every trainable parameter's gradient.
 
 Per micro-step, each bucket's reduce-scatter result (this rank's atoms, summed over its grad shard group) is
-added here, in the gradient-accumulation dtype (DeepSpeed's `data_types.grad_accum_dtype`, by default the
+added here by the reduce thread, in the gradient-accumulation dtype (DeepSpeed's `data_types.grad_accum_dtype`, by default the
 model dtype, as in stock ZeRO-3). At the accumulation boundary the rows are summed into their owners' own
 atoms across nodes; the own row is Stage 3's gradient partition buffer, so the optimizer step, the norm,
 `safe_get_full_grad` and the overflow check read it in place.
@@ -40,15 +40,13 @@ class GradShards:
     def own(self) -> torch.Tensor:
         return self.buffer.own
 
-    def accumulate(self, param, reduced: torch.Tensor) -> None:
-        """Add one parameter's reduce-scatter result ([T_g * atom] elements, row-major) into its atoms."""
+    def begin_accumulate(self, params) -> None:
+        """Some parameters' reduced gradients are about to be added (by the reduce thread)."""
         if self.window is Window.REDUCED:
             raise RuntimeError(
-                f"a gradient of parameter {param.ds_id} arrived after this accumulation window's gradients were "
-                "reduced across nodes and before optimizer step(); run step() (or zero_grad() to discard the "
+                f"a gradient of parameter {params[0].ds_id} arrived after this accumulation window's gradients "
+                "were reduced across nodes and before optimizer step(); run step() (or zero_grad() to discard the "
                 "window) before the next backward")
-        atoms = self.buffer.atoms(param)
-        atoms.add_(reduced.view(atoms.shape))
         self.window = Window.ACCUMULATING
 
     def clear(self) -> None:

@@ -1,0 +1,170 @@
+"""A communication thread: a FIFO of jobs, each issuing collectives on groups only this thread uses.
+
+The training thread submits jobs in program order, which is the same on every rank, and each thread runs its
+jobs in submission order: so every rank issues the same collectives in the same order on every group, which is
+what gloo and NCCL match collectives by. A job that fails poisons its thread: the later jobs are not run (their
+collectives would no longer line up across ranks) and fail with the same error.
+
+On CUDA a job runs on the thread's stream. Before it starts, that stream waits on an event recorded on the
+submitting thread's stream at submit time (so the job reads what compute wrote before the submit); when it ends,
+an event is recorded on the thread's stream, and the consumer's stream waits on it in `Pending.wait` (no host
+synchronisation on the critical path). On CPU the collectives are synchronous inside the job, so a completed
+job means the data is ready.
+
+`InlineRunner` has the same interface and runs each job at once on the caller's thread (`async_comm: false`):
+the same collectives, the same order, the same arithmetic.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Callable, Optional
+
+import torch
+
+from ..accounting import ledger
+from ..errors import CommThreadError, CommTimeoutError
+
+_STOP = object()
+
+
+class Pending:
+    """One submitted job. `wait()` blocks until it is done (at most `timeout` seconds), re-raises its failure on
+    the waiting thread, and makes the waiting thread's CUDA stream wait for its result."""
+
+    def __init__(self, what: str, group: str, timeout: float, diagnose: Optional[Callable[[], Optional[str]]] = None):
+        self.what, self.group, self.timeout = what, group, timeout
+        self.diagnose = diagnose           # names a lost peer rank, when that is why a collective failed
+        self.value = None
+        self.error: Optional[BaseException] = None
+        self.done_event = None                 # CUDA event recorded after the job, or None
+        self._done = threading.Event()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def _cause(self, otherwise: str) -> str:
+        lost = self.diagnose() if self.diagnose is not None else None
+        return lost or otherwise
+
+    def finish(self, value=None, error: Optional[BaseException] = None, done_event=None) -> None:
+        self.value, self.error, self.done_event = value, error, done_event
+        self._done.set()
+
+    def wait(self):
+        if not self._done.is_set():
+            started = time.perf_counter()
+            finished = self._done.wait(self.timeout)
+            ledger.note_wait(started, time.perf_counter(), self.what)
+            if not finished:
+                raise CommTimeoutError(
+                    f"{self.what} on process group '{self.group}' did not complete within {self.timeout:.0f} s "
+                    f"(async_hzp.comm_timeout_s); {self._cause('a peer rank is probably gone or stuck')}")
+        if self.error is not None:
+            raise CommThreadError(f"{self.what} on process group '{self.group}' failed on a communication thread "
+                                  f"({self._cause('no peer rank is known to be lost')}): "
+                                  f"{type(self.error).__name__}: {self.error}") from self.error
+        if self.done_event is not None:
+            torch.cuda.current_stream().wait_event(self.done_event)
+        return self.value
+
+
+class CommThread:
+    """A daemon thread running jobs in submission order; see the module docstring."""
+
+    def __init__(self, name: str, timeout: float, stream=None, diagnose=None):
+        self.name = name
+        self.timeout = timeout
+        self.stream = stream
+        self.diagnose = diagnose
+        self.busy_s = 0.0
+        self._failure: Optional[BaseException] = None
+        self._queue: "queue.Queue" = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name=f"asynchzp-{name}", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_async(self) -> bool:
+        return True
+
+    def submit(self, job: Callable[[], object], what: str, group: str) -> Pending:
+        if self._failure is not None:
+            raise CommThreadError(f"the '{self.name}' communication thread failed earlier; {what} was not issued: "
+                                  f"{type(self._failure).__name__}: {self._failure}") from self._failure
+        if not self._thread.is_alive():
+            raise CommThreadError(f"the '{self.name}' communication thread is stopped; {what} was not issued")
+        pending = Pending(what, group, self.timeout, self.diagnose)
+        ready = None
+        if self.stream is not None:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream())
+        self._queue.put((job, pending, ready))
+        return pending
+
+    def _run(self) -> None:
+        context = torch.cuda.stream(self.stream) if self.stream is not None else None
+        if context is not None:
+            context.__enter__()
+        try:
+            while True:
+                item = self._queue.get()
+                if item is _STOP:
+                    return
+                job, pending, ready = item
+                if self._failure is not None:
+                    pending.finish(error=self._failure)
+                    continue
+                if ready is not None:
+                    self.stream.wait_event(ready)
+                started = time.perf_counter()
+                try:
+                    value = job()
+                    done = None
+                    if self.stream is not None:
+                        done = torch.cuda.Event()
+                        done.record(self.stream)
+                    pending.finish(value=value, done_event=done)
+                except BaseException as error:  # noqa: BLE001 - handed to the training thread, with its traceback
+                    self._failure = error
+                    pending.finish(error=error)
+                finally:
+                    self.busy_s += time.perf_counter() - started
+        finally:
+            if context is not None:
+                context.__exit__(None, None, None)
+
+    def stop(self, timeout: float = 10.0) -> bool:
+        """Let the queued jobs finish, then end the thread; True when it ended within `timeout`."""
+        if self._thread.is_alive():
+            self._queue.put(_STOP)
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+
+class InlineRunner:
+    """`async_comm: false`: every job runs at once on the submitting thread."""
+
+    def __init__(self, name: str, timeout: float):
+        self.name = name
+        self.timeout = timeout
+        self.busy_s = 0.0
+        self.stream = None
+
+    @property
+    def is_async(self) -> bool:
+        return False
+
+    def submit(self, job: Callable[[], object], what: str, group: str) -> Pending:
+        pending = Pending(what, group, self.timeout)
+        started = time.perf_counter()
+        try:
+            pending.finish(value=job())
+        finally:
+            self.busy_s += time.perf_counter() - started
+        return pending
+
+    def stop(self, timeout: float = 10.0) -> bool:
+        return True

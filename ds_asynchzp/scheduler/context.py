@@ -1,0 +1,80 @@
+"""Every thread and stream of the package, created here and nowhere else.
+
+Three communication threads, one per flow of a step, so that one flow never waits behind another:
+
+* `gather`: the per-micro-step parameter all-gathers (d_p group), run ahead of compute by the prefetch;
+* `reduce`: the per-micro-step gradient reduce-scatters (d_g group), one job per gradient bucket as it fills;
+* `boundary`: the once-per-step cross-node work (gradient sum into the owners, optimizer-replica all-reduce,
+  parameter refresh), overlapped with the last backward and the next forward.
+
+Each issues only on its own process groups (`runtime.process_groups.OWNER`). On CUDA each has its own stream,
+so its collectives and copies run beside compute; events order them (see `comm_thread`). With
+`async_comm: false` the three are inline runners on the training thread: the same jobs, in the same order.
+
+A context registers itself for interpreter exit, so that a run that never calls `engine.destroy()` still stops
+its threads instead of leaving them behind.
+"""
+
+from __future__ import annotations
+
+import atexit
+import weakref
+import torch
+
+from .comm_thread import CommThread, InlineRunner
+from .peer_monitor import PeerMonitor
+
+FLOWS = ("gather", "reduce", "boundary")
+
+_LIVE: "weakref.WeakSet[CommContext]" = weakref.WeakSet()
+
+
+class CommContext:
+    def __init__(self, async_comm: bool, timeout_s: float, device, rank: int, world: int):
+        self.async_comm = async_comm
+        cuda = torch.device(device).type == "cuda"
+        self.runners = {}
+        self.monitor = PeerMonitor(rank, world)
+        for flow in FLOWS:
+            if async_comm:
+                # A stream per thread: the thread's copies and collectives are ordered after compute only
+                # through the events recorded at submit time, never through a shared stream.
+                stream = torch.cuda.Stream(device=device) if cuda else None
+                self.runners[flow] = CommThread(flow, timeout_s, stream, diagnose=self.monitor.explain)
+            else:
+                self.runners[flow] = InlineRunner(flow, timeout_s)
+        self.monitor.start()
+        _LIVE.add(self)
+
+    @property
+    def gather(self):
+        return self.runners["gather"]
+
+    @property
+    def reduce(self):
+        return self.runners["reduce"]
+
+    @property
+    def boundary(self):
+        return self.runners["boundary"]
+
+    def busy_seconds(self) -> dict:
+        return {flow: runner.busy_s for flow, runner in self.runners.items()}
+
+    def close(self) -> None:
+        """Stop the threads (their queued jobs finish first) and the monitor. Idempotent."""
+        for runner in self.runners.values():
+            runner.stop()
+        self.monitor.close()
+        _LIVE.discard(self)
+
+
+def live_contexts() -> list:
+    return list(_LIVE)
+
+
+@atexit.register
+def _close_all_at_exit() -> None:
+    for context in list(_LIVE):
+        context.close()
+

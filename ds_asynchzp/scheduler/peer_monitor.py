@@ -1,0 +1,161 @@
+"""Ends a rank whose peer died, with a message naming the lost rank, instead of letting it hang.
+
+A rank killed mid-step (SIGKILL, out-of-memory killer) leaves its peers blocked in collectives: NCCL waits until
+its watchdog fires (10 to 30 minutes), and a launcher that stops the other ranks says only which process ended.
+Each rank publishes `host:pid` in the rendezvous store at start. A daemon thread then checks, every half second,
+that every peer on the same host is alive, and that every peer on another host keeps bumping its heartbeat
+counter in the store (counters, not clocks: hosts need not agree on the time). A peer that ended cleanly marks
+itself closed first and is not reported. When a peer is lost the thread prints one line and ends the process.
+
+A launcher that stops the surviving ranks itself (the `deepspeed` launcher sends SIGTERM once one rank dies)
+may do so before the next poll: a SIGTERM handler, chained to the one it replaces, checks the peers once and
+names the lost rank before the rank ends.
+
+Setting DS_ASYNCHZP_PEER_MONITOR=0 turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import Dict, Optional
+
+import torch.distributed as dist
+
+POLL_S = 0.5
+HEARTBEAT_EVERY = 4          # polls between heartbeat bumps (2 s)
+REMOTE_SILENCE_S = 20.0      # a remote peer whose heartbeat does not move this long is lost
+_GENERATION = [0]            # engines made in this process so far: keys of one engine never mix with another's
+
+
+def _default_store():
+    # torch keeps the rendezvous store of the default group private; the monitor is best-effort without it.
+    getter = getattr(dist.distributed_c10d, "_get_default_store", None)
+    return getter() if getter is not None else None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a killed process not yet reaped by its parent is a zombie: ended
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+class PeerMonitor:
+    def __init__(self, rank: int, world: int, exit_process=None):
+        self.rank, self.world = rank, world
+        self.store = _default_store()
+        _GENERATION[0] += 1
+        self.prefix = f"asynchzp/monitor/{_GENERATION[0]}"
+        self.host = socket.gethostname()
+        self.peers: Dict[int, tuple] = {}
+        self.lost: Optional[str] = None
+        self._exit = exit_process or (lambda code: os._exit(code))
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._previous_sigterm = None
+
+    def start(self) -> None:
+        if self.store is None or self.world == 1 or os.environ.get("DS_ASYNCHZP_PEER_MONITOR", "1") == "0":
+            return
+        self.store.set(f"{self.prefix}/peer/{self.rank}", f"{self.host}:{os.getpid()}")
+        self.store.set(f"{self.prefix}/beat/{self.rank}", "0")
+        for peer in range(self.world):
+            if peer != self.rank:
+                host, pid = self.store.get(f"{self.prefix}/peer/{peer}").decode().rsplit(":", 1)
+                self.peers[peer] = (host, int(pid))
+        # Created here rather than in scheduler.context: it exists per engine, like the communication threads,
+        # and the context starts it.
+        self._thread = threading.Thread(target=self._run, name="asynchzp-peer-monitor", daemon=True)
+        self._thread.start()
+        if threading.current_thread() is threading.main_thread():
+            self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self._check_local_peers(exit_when_lost=False)
+        previous = self._previous_sigterm
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        if callable(previous):
+            previous(signum, frame)
+        elif previous in (None, signal.SIG_DFL):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def _check_local_peers(self, exit_when_lost: bool) -> bool:
+        for peer, (host, pid) in self.peers.items():
+            if host == self.host and not _pid_alive(pid) and not self._closed(peer):
+                self._report(peer, f"its process (pid {pid} on {host}) has ended", exit_when_lost)
+                return True
+        return False
+
+    def explain(self, patience_s: float = 3.0):
+        """Why a collective failed, if a peer is gone: 'rank R was lost: ...' (also printed), else None. A peer
+        that was just killed may take a moment to be reaped, so this looks for up to `patience_s`."""
+        if self.lost is None and self.peers:
+            end = time.monotonic() + patience_s
+            while not self._check_local_peers(exit_when_lost=False) and time.monotonic() < end:
+                time.sleep(0.1)
+        return self.lost
+
+    def close(self) -> None:
+        """This rank ends cleanly: tell the peers, then stop watching them."""
+        if self._thread is None:
+            return
+        if self._previous_sigterm is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+            self._previous_sigterm = None
+        self._stop.set()
+        self._thread.join(5.0)
+        self._thread = None
+        try:
+            self.store.set(f"{self.prefix}/closed/{self.rank}", "1")
+        except Exception:  # noqa: BLE001 - the store may already be gone at interpreter exit
+            pass
+
+    def _closed(self, peer: int) -> bool:
+        try:
+            return self.store.check([f"{self.prefix}/closed/{peer}"])
+        except Exception:  # noqa: BLE001
+            return False
+
+    def _run(self) -> None:
+        beats, seen, polls = 0, {}, 0
+        while not self._stop.wait(POLL_S):
+            polls += 1
+            try:
+                if polls % HEARTBEAT_EVERY == 0:
+                    beats += 1
+                    self.store.set(f"{self.prefix}/beat/{self.rank}", str(beats))
+                if self._check_local_peers(exit_when_lost=True):
+                    return
+                now = time.monotonic()
+                for peer, (host, pid) in self.peers.items():
+                    if host != self.host and polls % HEARTBEAT_EVERY == 0:
+                        value = self.store.get(f"{self.prefix}/beat/{peer}")
+                        last = seen.get(peer)
+                        if last is None or last[0] != value:
+                            seen[peer] = (value, now)
+                        elif now - last[1] > REMOTE_SILENCE_S and not self._closed(peer):
+                            return self._report(peer, f"its heartbeat (on {host}) stopped {REMOTE_SILENCE_S:.0f} s ago")
+            except Exception as error:  # noqa: BLE001 - the store went away: leave the run to its own errors
+                print(f"[ds_asynchzp] rank {self.rank}: peer monitor stopped, rendezvous store unreachable: {error}",
+                      file=sys.stderr, flush=True)
+                return
+
+    def _report(self, peer: int, why: str, exit_now: bool = True) -> None:
+        if self.lost is None:
+            self.lost = f"rank {peer} was lost: {why}"
+            print(f"[ds_asynchzp] rank {self.rank}: {self.lost}; ending this rank instead of waiting on collectives "
+                  "that can never complete", file=sys.stderr, flush=True)
+        if exit_now:
+            self._exit(1)

@@ -1,0 +1,100 @@
+"""Gathered-parameter buffers, allocated while the first steps run and reused for the rest of the run.
+
+A full parameter lives in a pool buffer from its gather until the coordinator releases it; the release gives the
+buffer back. In steady state every gather finds a free buffer of its size, so nothing is allocated per
+collective and the caching allocator never fragments. `allocations` counts misses, for tests.
+
+A buffer is handed out again only when nothing else still references its storage: a view a module kept of a
+weight (an autograd-saved `weight.t()`) must not be overwritten by another parameter. Buffers are taken and
+given back on the training thread, in program order (the gather job only fills them), so the pool's growth
+does not depend on thread timing; on CUDA the filling job's stream waits on an event recorded on the compute
+stream when the job was submitted, after the release, so the overwrite is ordered after the last read without
+`record_stream`.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Dict, List, Tuple
+
+import torch
+
+
+def _storage_users(tensor: torch.Tensor) -> int:
+    """References to the tensor's storage, not counting `tensor` itself; 0 when the count is unavailable."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:
+        return 0
+    # The temporary untyped_storage() object holds one reference and `tensor` another.
+    return int(count(tensor.untyped_storage()._cdata)) - 2
+
+
+class BufferPool:
+    def __init__(self):
+        self._free: Dict[Tuple[int, torch.dtype, str], List[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+        self.allocations = 0
+
+    def acquire(self, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
+        key = (int(numel), dtype, str(torch.device(device)))
+        with self._lock:
+            candidates = self._free.get(key, [])
+            for i, buffer in enumerate(candidates):
+                if _storage_users(buffer) == 0:
+                    del candidates[i]
+                    break
+            else:
+                buffer = None
+        if buffer is not None:
+            return buffer
+        self.allocations += 1
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def release(self, buffer: torch.Tensor) -> None:
+        key = (buffer.numel(), buffer.dtype, str(buffer.device))
+        with self._lock:
+            self._free.setdefault(key, []).append(buffer)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+
+
+class StagingRing:
+    """Flat send buffers for gradient buckets, used in turn. The training thread packs a bucket into the next
+    slot while the reduce thread still sends the previous ones; a slot is packed again only after the job that
+    sends it is done (the training thread waits for it: back-pressure when reduction falls behind compute).
+
+    All slots have one capacity, that of the largest bucket so far: buckets of different sizes rotate over the
+    slots, so per-slot sizing would keep finding a slot that never held the largest one. A larger bucket (the
+    first step shows them all) waits for every slot and reallocates them together."""
+
+    def __init__(self, slots: int = 2):
+        self._buffers = [None] * slots
+        self._jobs = [None] * slots
+        self._next = 0
+        self.allocations = 0
+
+    def acquire(self, numel: int, dtype: torch.dtype, device) -> Tuple[int, torch.Tensor]:
+        first = self._buffers[0]
+        if first is None or first.numel() < numel or first.dtype != dtype or first.device != torch.device(device):
+            self.drain()
+            capacity = max(numel, first.numel() if first is not None and first.dtype == dtype else 0)
+            self._buffers = [torch.empty(capacity, dtype=dtype, device=device) for _ in self._buffers]
+            self.allocations += len(self._buffers)
+        index = self._next
+        self._next = (index + 1) % len(self._buffers)
+        job = self._jobs[index]
+        if job is not None:
+            self._jobs[index] = None
+            job.wait()
+        return index, self._buffers[index].narrow(0, 0, numel)
+
+    def hold(self, index: int, job) -> None:
+        self._jobs[index] = job
+
+    def drain(self) -> None:
+        for index, job in enumerate(self._jobs):
+            if job is not None:
+                self._jobs[index] = None
+                job.wait()
