@@ -58,3 +58,8 @@ class CommThreadError(RuntimeError):
     """A collective failed on a background communication thread. Raised on the training thread at its next wait
     on that thread's work, chained to the original exception (whose traceback shows where it failed)."""
 
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be loaded as asked: missing, truncated or foreign files, another model, or another
+    layout without conversion. The message names the file (or directory) and what is wrong with it; raised before
+    any collective of the load, identically on every rank."""

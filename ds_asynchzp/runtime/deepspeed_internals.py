@@ -53,6 +53,7 @@ _REQUIRED_CLASS_MEMBERS = [
     (DeepSpeedEngine, "backward", "the end of a backward pass at the accumulation boundary"),
     (DeepSpeedEngine, "forward", "the start of a micro-step (prefetch replay)"),
     (DeepSpeedEngine, "_save_zero_checkpoint", "writes one rank's optimizer-state file"),
+    (DeepSpeedEngine, "_get_zero_param_shapes", "parameter order of checkpoints"),
     (DeepSpeedZeroOptimizer_Stage3, "partition_grads", "stores reduced gradient partitions"),
     (DeepSpeedZeroOptimizer_Stage3, "_post_step", "runs after the optimizer step (secondary invalidation)"),
     (DeepSpeedZeroOptimizer_Stage3, "step", "the optimizer step"),
@@ -292,3 +293,16 @@ __all__ = [
     "ds_comm",
 ]
 
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+def engine_zero_param_shapes(engine) -> list:
+    """What DeepSpeed writes as a checkpoint's `param_shapes` (and checks a load against): per optimizer sub-group,
+    parameter name -> full shape, in the order of the flat fp32 groups (`DeepSpeedEngine._get_zero_param_shapes`)."""
+    method = getattr(engine, "_get_zero_param_shapes", None)
+    if method is None:
+        raise DeepSpeedInternalsError("ds_asynchzp cannot use the installed DeepSpeed: DeepSpeedEngine."
+                                      "_get_zero_param_shapes is gone (parameter order of checkpoints)")
+    return method()
+
+
+__all__ += ["engine_zero_param_shapes"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from ..config import ResolvedLayout
 from ..errors import AsyncHZPNotActiveError
+from . import checkpoint
 from .deepspeed_internals import DeepSpeedEngine, stage3_optimizer_class_swapped
 from .optimizer import HierarchicalZeroOptimizer, optimizer_class_for
 
@@ -42,13 +43,26 @@ class AsyncHZPEngine(DeepSpeedEngine):
         return result
 
 
+    # Checkpoints: DeepSpeed's ZeRO-3 format, committed atomically and checked before loading (runtime/checkpoint.py).
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
+        return checkpoint.save_checkpoint(self, super().save_checkpoint, save_dir, tag, client_state, save_latest,
+                                          exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
+        return checkpoint.load_checkpoint(self, super().load_checkpoint, load_dir, tag, load_module_strict,
+                                          load_optimizer_states, load_lr_scheduler_states, load_module_only,
+                                          custom_load_fn)
+
     def _save_zero_checkpoint(self, save_path, tag):
         # DeepSpeed names a rank's optimizer-state file by its rank in the partition group. With d_o < N the
         # N / d_o optimizer replicas hold identical states under identical names: the first replica writes them,
         # so no two ranks write one file at once.
-        if isinstance(self.optimizer, HierarchicalZeroOptimizer) and self.optimizer.hzp_groups.outer_replica.rank:
-            return
-        return super()._save_zero_checkpoint(save_path, tag)
+        return checkpoint.save_zero_checkpoint(self, super()._save_zero_checkpoint, save_path, tag)
+
+    def save_16bit_model(self, save_dir, save_filename="pytorch_model.bin", exclude_frozen_parameters=False):
+        return checkpoint.save_16bit_model(self, super().save_16bit_model, save_dir, save_filename,
+                                           exclude_frozen_parameters)
 
 
 def engine_class_for(layout: ResolvedLayout) -> type:
