@@ -28,6 +28,9 @@ def _fails_with(capsys, argv: list[str], fragment: str) -> None:
     (["--steps", "0"], "must be >= 1"),
     (["--dtype", "fp8"], "invalid choice: 'fp8'"),
     (["--lr", "-1"], "must be > 0"),
+    (["--comm-delay-ms", "-0.5"], "must be a finite number >= 0"),
+    (["--comm-delay-ms", "nan"], "must be a finite number >= 0"),
+    (["--comm-delay-ms", "soon"], "not a number: 'soon'"),
 ])
 def test_bad_flags_fail_before_any_rank_starts(capsys, monkeypatch, tmp_path, argv, fragment):
     def no_launch(*args, **kwargs):
@@ -89,6 +92,15 @@ def test_arm_specs_name_a_base_arm_and_its_async_hzp_overrides():
     ("asynchzp:param_shard_size", ["'asynchzp:param_shard_size'", "not key=value"]),
     ("asynchzp:param_shard_size=two", ["key 'param_shard_size'", "not an integer or \"auto\""]),
     ("asynchzp:enabled=false", ["key 'enabled' cannot be overridden"]),
+    ("asynchzp-sync:enabled=false", ["key 'enabled' cannot be overridden"]),
+    # async_comm is what tells the two AsyncHZP arms apart: the error names the arm to run instead.
+    ("asynchzp:async_comm=false", ["'asynchzp:async_comm=false'", "key 'async_comm' cannot be overridden",
+                                   "run the arm 'asynchzp-sync' instead"]),
+    ("asynchzp-sync:param_shard_size=1:async_comm=true", ["key 'async_comm' cannot be overridden",
+                                                          "run the arm 'asynchzp:param_shard_size=1' instead"]),
+    ("asynchzp-sync:async_comm=false", ["already runs with async_comm false"]),
+    ("asynchzp:async_comm=0", ["key 'async_comm' cannot be overridden", "asynchzp-sync arm for synchronous"]),
+    ("asynchzp-sync:param_shard_size=3", ["'asynchzp-sync:param_shard_size=3'", "async_hzp.param_shard_size"]),
     ("zero9:param_shard_size=1", ["unknown arm(s) 'zero9'"]),
     # Values go through the engine's own config check before any rank starts.
     ("asynchzp:param_shard_size=3", ["'asynchzp:param_shard_size=3'", "async_hzp.param_shard_size"]),
@@ -128,6 +140,39 @@ def test_override_arm_config_payload_and_recorded_overrides():
     assert ":" not in cli._log_dir_name(name)
 
 
+def test_asynchzp_sync_arm_is_the_asynchzp_placement_with_synchronous_communication():
+    name = "asynchzp-sync:param_shard_size=1"
+    args = cli.parse_args(["--arms", f"zero3,asynchzp,asynchzp-sync,{name}", "--nproc", "4", "--node-size", "2"])
+    assert args.arms == ["zero3", "asynchzp", "asynchzp-sync", name]
+    spec = cli.parse_arm_spec(name)
+    assert (spec.base, spec.overrides) == ("asynchzp-sync", {"param_shard_size": 1})
+    assert spec.identity != cli.parse_arm_spec("asynchzp:param_shard_size=1").identity  # not a duplicate
+    assert cli.ARMS["asynchzp-sync"][0] == ("AsyncHZP placement, communication synchronous on the training "
+                                            "thread (A/B of the scheduling)")
+
+    sync, threaded = cli.ds_config_for("asynchzp-sync", args), cli.ds_config_for("asynchzp", args)
+    assert sync["async_hzp"] == {"node_size": 2, "async_comm": False}
+    assert "async_comm" not in threaded["async_hzp"]  # the section's default: true
+    # Nothing else differs between the two arms.
+    assert {k: v for k, v in sync.items() if k != "async_hzp"} == {
+        k: v for k, v in threaded.items() if k != "async_hzp"}
+    assert cli.ds_config_for(name, args)["async_hzp"] == {"node_size": 2, "async_comm": False, "param_shard_size": 1}
+    for arm in ("asynchzp-sync", name):
+        assert cli._payload(arm, args)["expected_optimizer"] == "HierarchicalZeroOptimizer"
+    config = cli.run_config(args)
+    assert config["arm_overrides"]["asynchzp-sync"] == {"async_hzp": {"node_size": 2, "async_comm": False}}
+    assert config["arm_specs"][name] == {"base": "asynchzp-sync", "overrides": {"param_shard_size": 1}}
+    assert "async_comm" not in cli.override_keys()
+
+
+def test_comm_delay_reaches_every_payload_and_the_recorded_config():
+    assert cli.parse_args([]).comm_delay_ms == 0.0
+    args = cli.parse_args(["--arms", "zero3,asynchzp,asynchzp-sync", "--comm-delay-ms", "2.5"])
+    assert [cli._payload(arm, args)["comm_delay_ms"] for arm in args.arms] == [2.5, 2.5, 2.5]
+    assert cli.run_config(args)["comm_delay_ms"] == 2.5
+    assert json.loads(json.dumps(cli.run_config(args)))["comm_delay_ms"] == 2.5  # as results.json holds it
+
+
 def test_layouts_recorded_by_the_worker():
     from ds_asynchzp.bench import worker
 
@@ -158,12 +203,16 @@ def test_layouts_recorded_by_the_worker():
     assert worker._layout_of(stock_engine, cli.ds_config_for("zero3", args), 8, 4)[0] == zero3
 
 
-def _fake_rank(rank: int, losses, times, inter, rss: int, node_tx=None) -> dict:
+def _fake_rank(rank: int, losses, times, inter, rss: int, node_tx=None, exposed=None, busy=None) -> dict:
     node_tx = node_tx or [None] * len(losses)
     steps = [{"loss": l, "time_s": t, "intra_node": 10.0, "inter_node": b, "calls": 3, "link_bytes": b / 2,
               "comm_s": t / 2, "node_tx_bytes": tx,
               "by_op": {"all_gather": {"intra_node": 10.0, "inter_node": b, "calls": 3}}}
              for l, t, b, tx in zip(losses, times, inter, node_tx)]
+    # Workers that record them add exposed and busy communication per step.
+    for key, values in (("exposed_comm_s", exposed), ("comm_busy_s", busy)):
+        for step, value in zip(steps, values or []):
+            step[key] = value
     return {"rank": rank, "optimizer_class": "DeepSpeedZeroOptimizer_Stage3", "steps": steps,
             "startup_s": {"spawn_s": 1.0 + rank}, "model_state_bytes": {"total": 100 + rank},
             "peak_rss_bytes": rss}
@@ -185,7 +234,11 @@ def test_aggregation_rules_and_table():
     assert entry["tokens_per_s"] == 2 * 1 * 8 * 1 / 2.5
     assert entry["link_bytes_inter_node_per_step"] == 3.5
     assert entry["wire_bytes_inter_node_per_step"] is None  # loopback: no link counters
-    assert entry["exposed_comm_s_per_step"] == 1.0  # median over steady steps of the rank-mean (0.75, 1.25)
+    # Ranks that recorded no exposed or busy time (older workers): None, not a figure of another meaning.
+    assert entry["exposed_comm_s"] is entry["comm_busy_s"] is None
+    assert entry["exposed_comm_s_per_step"] is entry["comm_busy_s_per_step"] is None
+    assert entry["comm_time_s"] == [3.5, 0.75, 1.25]  # summed call durations, mean over ranks, kept as before
+    assert entry["timeline"] is None and entry["buffer_allocations"] is None
     assert entry["layout"] is None  # ranks that recorded no layout (older workers)
     layouts = [dict(r, layout={"world_size": 2, "rank": r["rank"]}, layout_text=f"rank {r['rank']}") for r in ranks]
     with_layout = aggregate_arm(layouts, args.warmup_steps, cli.tokens_per_optimizer_step(args))
@@ -197,6 +250,44 @@ def test_aggregation_rules_and_table():
     asynchzp_row = next(line for line in table.splitlines() if line.startswith("| asynchzp"))
     assert "1.00e-01" in asynchzp_row and "0.500" in asynchzp_row  # loss rel diff, inter ratio
     assert "n/a" in format_table({"config": {}, "arms": {"asynchzp": other}})
+
+
+def test_exposed_and_busy_time_per_step_are_the_slowest_ranks():
+    tokens = 16
+    timeline = {"duration_s": 2.0, "collectives": [], "waits": []}
+    ranks = [_fake_rank(1, [1.0] * 4, [1.0] * 4, [0.0] * 4, 1, exposed=[9.0, 0.1, 0.6, 0.2],
+                        busy=[9.0, 1.0, 1.5, 3.0]),
+             dict(_fake_rank(0, [1.0] * 4, [1.0] * 4, [0.0] * 4, 1, exposed=[5.0, 0.3, 0.4, 0.5],
+                             busy=[5.0, 2.0, 1.0, 1.0]),
+                  timeline=timeline, timeline_step=2, buffer_allocations={"param_gather": 3})]
+    ranks[0]["timeline"] = {"duration_s": 9.0, "collectives": [], "waits": []}  # rank 1's: not kept
+    entry = aggregate_arm(ranks, 1, tokens)
+    assert entry["exposed_comm_s"] == [9.0, 0.3, 0.6, 0.5]  # per step, the largest over ranks
+    assert entry["comm_busy_s"] == [9.0, 2.0, 1.5, 3.0]
+    assert entry["exposed_comm_s_per_step"] == 0.5  # median of the steady steps (0.3, 0.6, 0.5)
+    assert entry["comm_busy_s_per_step"] == 2.0  # median of (2.0, 1.5, 3.0)
+    assert entry["timeline"] is timeline and (entry["timeline_step"], entry["timeline_rank"]) == (2, 0)
+    assert entry["buffer_allocations"] == {"param_gather": 3}
+
+    # Repeats: the median of each repeat's median; the first repeat's lists, timeline and allocations stay on top.
+    def scaled(k: float) -> list:
+        return [dict(r, timeline=None, buffer_allocations=None,
+                     steps=[dict(st, exposed_comm_s=st["exposed_comm_s"] * k, comm_busy_s=st["comm_busy_s"] * k)
+                            for st in r["steps"]]) for r in ranks]
+
+    merged = merge_repeats([entry, aggregate_arm(scaled(3.0), 1, tokens), aggregate_arm(scaled(5.0), 1, tokens)])
+    assert merged["exposed_comm_s_per_step"] == pytest.approx(1.5)  # medians 0.5, 1.5, 2.5
+    assert merged["comm_busy_s_per_step"] == pytest.approx(6.0)  # medians 2.0, 6.0, 10.0
+    assert merged["exposed_comm_s"] == entry["exposed_comm_s"]
+    assert merged["timeline"] is timeline and merged["buffer_allocations"] == {"param_gather": 3}
+    assert [r["exposed_comm_s_per_step"] for r in merged["repeats"]] == pytest.approx([0.5, 1.5, 2.5])
+    assert merged["repeats"][2]["comm_busy_s"] == pytest.approx([45.0, 10.0, 7.5, 15.0])
+    older = aggregate_arm([_fake_rank(0, [1.0] * 2, [1.0] * 2, [0.0] * 2, 1)], 1, tokens)
+    assert merge_repeats([older, older])["comm_busy_s_per_step"] is None
+
+    table = format_table({"config": {}, "arms": {"asynchzp": merged}})
+    row = next(line for line in table.splitlines() if line.startswith("| asynchzp"))
+    assert "1.500" in row and "6.000" in row
 
 
 def test_small_run_matches_zero3_with_less_inter_node_traffic(tmp_path, capsys):

@@ -72,7 +72,27 @@ def synthetic_results(optional: bool) -> dict:
             entry["wire_bytes_inter_node_per_step"] = 12.5e6 + k * 1e6
             entry["link_bytes_inter_node_per_step"] = 12e6 + k * 1e6
             entry["exposed_comm_s_per_step"] = 0.75 + k
+            entry["comm_busy_s_per_step"] = 1.5 + k
+            entry["timeline"] = synthetic_timeline(threaded=entry["optimizer_class"] == "HierarchicalZeroOptimizer")
+            entry["timeline_step"], entry["timeline_rank"] = 3, 0
+        results["config"]["comm_delay_ms"] = 2.5
     return results
+
+
+def synthetic_timeline(threaded: bool) -> dict:
+    """A 3 s step: with `threaded`, collectives on two communication threads and one short wait; without, every
+    collective on the training thread, each matched by a wait."""
+    if threaded:
+        collectives = [{"thread": "asynchzp-gather", "op": "all_gather", "tag": "asynchzp.param_gather",
+                        "start": 0.1 * i, "end": 0.1 * i + 0.08, "inter_node": False} for i in range(20)]
+        collectives += [{"thread": "asynchzp-reduce", "op": "reduce_scatter", "tag": "asynchzp.grad_reduce_scatter",
+                         "start": 1.0 + 0.2 * i, "end": 1.1 + 0.2 * i, "inter_node": i == 9} for i in range(10)]
+        waits = [{"start": 2.9, "end": 2.95, "what": "asynchzp-reduce"}]
+    else:
+        collectives = [{"thread": "MainThread", "op": "all_gather", "tag": "all_gather", "start": 0.3 * i,
+                        "end": 0.3 * i + 0.1, "inter_node": True} for i in range(10)]
+        waits = [{"start": c["start"], "end": c["end"], "what": "all_gather"} for c in collectives]
+    return {"duration_s": 3.0, "collectives": collectives, "waits": waits}
 
 
 def results_rows(text: str) -> dict:
@@ -84,11 +104,13 @@ def results_rows(text: str) -> dict:
     return {row[0]: dict(zip(header, row)) for row in rows}
 
 
-def assert_valid_pngs(out_dir) -> None:
+def assert_valid_pngs(out_dir, timelines: bool = True) -> None:
     for name in report.PLOTS:
         data = (out_dir / name).read_bytes()
         assert data[:8] == PNG_MAGIC, name
-        assert len(data) > 10_000, f"{name} is only {len(data)} bytes: likely an empty figure"
+        # Results without any timeline get a one-line placeholder figure, small but still a real PNG.
+        floor = 2_000 if name == "timeline.png" and not timelines else 10_000
+        assert len(data) > floor, f"{name} is only {len(data)} bytes: likely an empty figure"
 
 
 @pytest.mark.parametrize("optional", [False, True], ids=["minimal-keys", "optional-keys"])
@@ -109,7 +131,16 @@ def test_report_states_provenance_workload_and_one_row_per_arm(tmp_path, optiona
     assert list(rows) == ["zero3", "hpz", "asynchzp"]
     for name in report.PLOTS:
         assert f"]({name})" in text  # embedded with a relative link
-    assert_valid_pngs(tmp_path)
+    assert_valid_pngs(tmp_path, timelines=optional)
+    if optional:
+        assert "Injected communication delay: 2.5 ms before and after each of the package's own collectives" in text
+        assert "AsyncHZP arms only" in text and "Left out of the timeline" not in text
+        assert report.DELAY_FOOTNOTE in text  # how the delay bends busy against exposed
+    else:
+        # No timelines and no recorded delay: both said, neither fails the report.
+        assert "Injected communication delay: not recorded" in text
+        assert "Left out of the timeline: `zero3`: no timeline recorded" in text
+        assert report.DELAY_FOOTNOTE not in text
 
 
 def test_ratios_and_bytes_are_computed_from_the_inputs(tmp_path):
@@ -130,7 +161,8 @@ def test_ratios_and_bytes_are_computed_from_the_inputs(tmp_path):
         assert row["peak RSS MB"] == f"{entry['peak_memory_bytes'] / 1e6:.1f}"
         assert row["model-state MB"] == f"{entry['model_state_bytes']['total'] / 1e6:.3f}"
         # Measurements a loopback run lacks get no column at all.
-        assert not {"wire MB/step (measured)", "link MB/step (ledger)", "exposed comm s/step"} & set(row)
+        assert not {"wire MB/step (measured)", "link MB/step (ledger)", "exposed comm s/step", "comm busy s/step",
+                    "in collectives s/step (older results)"} & set(row)
     assert rows["hpz"]["inter ratio vs zero3"] == "0.400"
 
 
@@ -148,6 +180,22 @@ def test_optional_keys_take_precedence_when_present(tmp_path):
         assert row["wire MB/step (measured)"] == f"{12.5 + k:.3f}"
         assert row["link MB/step (ledger)"] == f"{12.0 + k:.3f}"
         assert row["exposed comm s/step"] == f"{0.75 + k:.3f}"
+        assert row["comm busy s/step"] == f"{1.5 + k:.3f}"
+        assert "in collectives s/step (older results)" not in row
+    assert "training thread was blocked on communication" in text and "busy >> exposed" in text
+    assert "maximum over ranks, since the slowest rank bounds the step" in text
+
+
+def test_older_exposed_figure_is_not_shown_as_training_thread_time(tmp_path):
+    # Results written before busy time was recorded held summed call durations under exposed_comm_s_per_step.
+    results = synthetic_results(optional=True)
+    for entry in results["arms"].values():
+        del entry["comm_busy_s_per_step"]
+    text = report.write_report(results, tmp_path).read_text(encoding="utf-8")
+    rows = results_rows(text)
+    assert "exposed comm s/step" not in rows["zero3"] and "comm busy s/step" not in rows["zero3"]
+    assert rows["hpz"]["in collectives s/step (older results)"] == "1.750"
+    assert "In collectives (older results)" in text
 
 
 def test_repeats_without_summary_keys_give_the_spread_over_repeats(tmp_path):
@@ -179,7 +227,7 @@ def test_report_without_a_zero3_arm_marks_ratios_not_available(tmp_path):
     del results["arms"]["zero3"]
     rows = results_rows(report.write_report(results, tmp_path).read_text(encoding="utf-8"))
     assert rows["hpz"]["inter ratio vs zero3"] == rows["hpz"]["speed-up vs zero3"] == "n/a"
-    assert_valid_pngs(tmp_path)
+    assert_valid_pngs(tmp_path, timelines=False)
 
 
 def test_warns_when_recorded_throughput_contradicts_the_tokens_per_step(tmp_path):
@@ -278,7 +326,7 @@ def test_report_names_each_arms_layout_and_memory_per_role(tmp_path):
             assert memory[arm][role] == f"{state.get(role, 0) / 1e6:.3f}"
         assert memory[arm]["total"] == f"{state['total'] / 1e6:.3f}"
     assert memory["asynchzp"]["param_primary"] == "0.000" and memory["hpz"]["param_secondary"] == "2.000"
-    assert_valid_pngs(tmp_path)
+    assert_valid_pngs(tmp_path, timelines=False)
 
 
 def test_summary_table_shows_layout_and_memory_per_role():
@@ -301,3 +349,19 @@ def test_runs_without_recorded_layouts_say_so():
 
     rows = table_rows(format_table(synthetic_results(optional=False)).split("per role", 1)[1])
     assert rows["zero3"]["d_p/d_g/d_o"] == "n/a"
+
+
+def test_summary_table_shows_exposed_and_busy_communication():
+    from ds_asynchzp.bench.table import format_table
+
+    summary = format_table(synthetic_results(optional=True))
+    rows = table_rows(summary.split("\n\n", 1)[0])
+    assert [rows[a]["exposed comm s/step"] for a in rows] == ["0.750", "1.750", "2.750"]
+    assert [rows[a]["comm busy s/step"] for a in rows] == ["1.500", "2.500", "3.500"]
+    assert "busy >> exposed" in summary
+    # Without busy time the exposed figure is an older meaning: not shown under the new name.
+    results = synthetic_results(optional=True)
+    for entry in results["arms"].values():
+        del entry["comm_busy_s_per_step"]
+    older = table_rows(format_table(results).split("\n\n", 1)[0])
+    assert older["hpz"]["exposed comm s/step"] == older["hpz"]["comm busy s/step"] == "n/a"

@@ -4,6 +4,8 @@ Conventions, stated once:
 * bytes are per rank per optimizer step: the steady-state mean of each rank (steps after `--warmup-steps`),
   then the mean over ranks;
 * a step is as slow as its slowest rank (the others wait for it in the next collective);
+* so is its communication: exposed and busy communication time per step are the maximum over ranks, since the
+  slowest rank bounds the step, then the median over steady steps;
 * wire bytes of an emulated cluster are the node links' transmit counters summed over nodes, per step, divided
   by the number of ranks, so they compare with the ledger's per-rank figures.
 """
@@ -16,6 +18,17 @@ import statistics
 def _steady_mean(values: list, warmup: int) -> float:
     steady = values[warmup:]
     return sum(steady) / len(steady)
+
+
+def _per_step_max(by_rank: list, key: str, n_steps: int) -> list | None:
+    """Per step, the largest `key` over ranks; None when a rank did not record it (workers predating the key)."""
+    if any(key not in st for r in by_rank for st in r["steps"]):
+        return None
+    return [max(r["steps"][s][key] for r in by_rank) for s in range(n_steps)]
+
+
+def _steady_median(values: list | None, warmup: int) -> float | None:
+    return None if values is None else statistics.median(values[warmup:])
 
 
 def aggregate_arm(rank_results: list, warmup: int, tokens_per_step: int) -> dict:
@@ -34,8 +47,12 @@ def aggregate_arm(rank_results: list, warmup: int, tokens_per_step: int) -> dict
     ops = sorted({op for r in by_rank for st in r["steps"] for op in st["by_op"]})
     bytes_by_op = {op: {w: mean_over_ranks(lambda st, op=op, w=w: st["by_op"].get(op, {}).get(w, 0.0))
                         for w in where} for op in ops}
-    # Time inside collectives: on CPU they are synchronous, so this is communication the step waited for.
+    # Summed durations of the collective calls, mean over ranks. With communication threads an asynchronous call
+    # returns at once and several may run at a time, so this compares neither between arms nor with step time;
+    # exposed and busy time below do.
     comm_time = [sum(r["steps"][s]["comm_s"] for r in by_rank) / n_ranks for s in range(n_steps)]
+    exposed = _per_step_max(by_rank, "exposed_comm_s", n_steps)
+    busy = _per_step_max(by_rank, "comm_busy_s", n_steps)
 
     # Node-link counters: one reader per node (local rank 0), so summing readers counts each link once.
     readers = [r for r in by_rank if r["steps"][0].get("node_tx_bytes") is not None]
@@ -55,7 +72,11 @@ def aggregate_arm(rank_results: list, warmup: int, tokens_per_step: int) -> dict
         "link_bytes_inter_node_per_step": mean_over_ranks(lambda st: st["link_bytes"]),
         "wire_bytes_inter_node_per_step": wire,
         "comm_time_s": comm_time,
-        "exposed_comm_s_per_step": statistics.median(comm_time[warmup:]),
+        # Per optimizer step, slowest rank: training thread blocked on communication / any collective in flight.
+        "exposed_comm_s": exposed,
+        "comm_busy_s": busy,
+        "exposed_comm_s_per_step": _steady_median(exposed, warmup),
+        "comm_busy_s_per_step": _steady_median(busy, warmup),
         "collective_calls_per_step": mean_over_ranks(lambda st: st["calls"]),
         "peak_memory_bytes": max(r["peak_rss_bytes"] for r in by_rank),
         "model_state_bytes": by_rank[0]["model_state_bytes"],
@@ -63,6 +84,11 @@ def aggregate_arm(rank_results: list, warmup: int, tokens_per_step: int) -> dict
         "layout": by_rank[0].get("layout"),
         "layout_text": by_rank[0].get("layout_text"),
         "optimizer_class": classes[0] if len(classes) == 1 else ",".join(classes),
+        # One step of rank 0 drawn interval by interval (the report's timeline plot); None from workers without it.
+        "timeline": by_rank[0].get("timeline"),
+        "timeline_step": by_rank[0].get("timeline_step"),
+        "timeline_rank": by_rank[0]["rank"],
+        "buffer_allocations": by_rank[0].get("buffer_allocations"),
         # Whole job (all ranks); the per-rank figure is below.
         "tokens_per_s": tokens_per_step / median_step if median_step > 0 else None,
         "tokens_per_s_per_rank_this_repeat": tokens_per_step / n_ranks / median_step if median_step > 0 else None,
@@ -79,7 +105,8 @@ def aggregate_arm(rank_results: list, warmup: int, tokens_per_step: int) -> dict
 
 
 def merge_repeats(entries: list) -> dict:
-    """The first repeat's entry (losses and bytes are deterministic), plus min/median over repeats of the timings.
+    """The first repeat's entry (losses and bytes are deterministic; its timeline and buffer allocations), plus
+    min/median over repeats of the timings.
 
     `tokens_per_s_per_rank` and `step_time_stats_s` are taken over the repeats' medians of steady-state steps.
     """
@@ -91,6 +118,10 @@ def merge_repeats(entries: list) -> dict:
         "tokens_per_s_per_rank": e["tokens_per_s_per_rank_this_repeat"],
         "wire_bytes_inter_node_per_step": e["wire_bytes_inter_node_per_step"],
         "comm_time_s": e["comm_time_s"],
+        "exposed_comm_s": e.get("exposed_comm_s"),
+        "comm_busy_s": e.get("comm_busy_s"),
+        "exposed_comm_s_per_step": e.get("exposed_comm_s_per_step"),
+        "comm_busy_s_per_step": e.get("comm_busy_s_per_step"),
         "losses_identical_to_first": e["losses"] == entries[0]["losses"],
     } for e in entries]
     medians = [e["median_step_time_s"] for e in entries]
@@ -103,5 +134,9 @@ def merge_repeats(entries: list) -> dict:
     wires = [e["wire_bytes_inter_node_per_step"] for e in entries if e["wire_bytes_inter_node_per_step"] is not None]
     if wires:
         merged["wire_bytes_inter_node_per_step"] = statistics.median(wires)
-    merged["exposed_comm_s_per_step"] = statistics.median(e["exposed_comm_s_per_step"] for e in entries)
+    # Like step time: the median over repeats of each repeat's steady-state median. The per-step lists and the
+    # timeline stay the first repeat's (each repeat's lists are under "repeats").
+    for key in ("exposed_comm_s_per_step", "comm_busy_s_per_step"):
+        values = [e[key] for e in entries if e.get(key) is not None]
+        merged[key] = statistics.median(values) if values else None
     return merged

@@ -1,9 +1,10 @@
 """``asynchzp-bench``: train one model under several ZeRO arms on local CPU ranks and compare them.
 
-Each arm (stock ZeRO-3, ZeRO++ hpZ, AsyncHZP) runs the same model, data and seed in its own set of rank
-processes (`launch_local`, gloo, ``DS_ACCELERATOR=cpu``). The ranks are grouped into simulated nodes of
-``--node-size`` ranks, so the communication ledger can split every collective's wire bytes into intra- and
-inter-node traffic. Results go to ``DIR/results.json`` and a table to stdout and ``DIR/summary.md``.
+Each arm (stock ZeRO-3, ZeRO++ hpZ, AsyncHZP with its communication on background threads or synchronous) runs
+the same model, data and seed in its own set of rank processes (`launch_local`, gloo, ``DS_ACCELERATOR=cpu``).
+The ranks are grouped into simulated nodes of ``--node-size`` ranks, so the communication ledger can split every
+collective's wire bytes into intra- and inter-node traffic. Results go to ``DIR/results.json`` and a table to
+stdout and ``DIR/summary.md``.
 """
 
 from __future__ import annotations
@@ -34,12 +35,22 @@ ARMS = {
     "hpz": ("stock ZeRO++ hpZ (secondary parameter partition inside a node)", "DeepSpeedZeroOptimizer_Stage3"),
     "asynchzp": ("AsyncHZP (params+grads inside a node, optimizer states over the world)",
                  "HierarchicalZeroOptimizer"),
+    "asynchzp-sync": ("AsyncHZP placement, communication synchronous on the training thread (A/B of the scheduling)",
+                      "HierarchicalZeroOptimizer"),
 }
 DEFAULT_ARMS = "zero3,hpz,asynchzp"
 # Arms built on the ds_config's "async_hzp" section: only these take `BASE:key=value` overrides of that section.
-OVERRIDABLE_ARMS = ("asynchzp",)
-# Section keys an arm spec may not set: "enabled": false would train stock ZeRO-3 under an AsyncHZP name.
-FORBIDDEN_OVERRIDE_KEYS = {"enabled": "an asynchzp arm always enables the section; run the zero3 arm for stock ZeRO-3"}
+OVERRIDABLE_ARMS = ("asynchzp", "asynchzp-sync")
+# Section keys each of those arms fixes: the two arms differ in this alone, so an A/B of them isolates the scheduling.
+ARM_SECTION_KEYS = {"asynchzp": {}, "asynchzp-sync": {"async_comm": False}}
+# Section keys an arm spec may not set, and why: "enabled": false would train stock ZeRO-3 under an AsyncHZP name;
+# "async_comm" is what the arm's name says, so flipping it would mislabel every figure of the arm.
+FORBIDDEN_OVERRIDE_KEYS = {
+    "enabled": "an asynchzp arm always enables the section; run the zero3 arm for stock ZeRO-3",
+    "async_comm": "the arm's name fixes it",
+}
+# async_comm value -> the arm that runs with it, named in the error that refuses the key.
+ASYNC_COMM_ARMS = {True: "asynchzp", False: "asynchzp-sync"}
 
 # ZeRO-3 settings shared by every arm, so that only the arm-specific key differs between runs.
 # Persistence thresholds 0 partition every parameter (small models would otherwise keep most of them whole);
@@ -84,11 +95,22 @@ def _int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
 
 
-def _positive_float(text: str) -> float:
+def _float(text: str) -> float:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+
+
+def _non_negative_float(text: str) -> float:
+    value = _float(text)
+    if not 0 <= value < float("inf"):  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = _float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
@@ -98,12 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="asynchzp-bench",
         description="Compare ZeRO-3, ZeRO++ hpZ and AsyncHZP on local CPU ranks: same model, data and seed; "
-                    "reports loss agreement, intra/inter-node bytes, step time and memory.")
+                    "reports loss agreement, intra/inter-node bytes, step time, exposed communication and memory.")
     parser.add_argument("--arms", default=DEFAULT_ARMS,
-                        help=f"comma-separated arms to run, in order; known: {', '.join(ARMS)}. An asynchzp arm "
-                             "may override keys of its ds_config's async_hzp section: BASE:key=value[:key=value]..., "
-                             "e.g. asynchzp:param_shard_size=1:grad_shard_size=2 (integers or \"auto\"); the whole "
-                             "spec names the arm in every output (default: %(default)s)")
+                        help=f"comma-separated arms to run, in order; known: {', '.join(ARMS)} (asynchzp-sync: the "
+                             "asynchzp placement with async_comm false, an A/B of the background threads). An "
+                             "asynchzp or asynchzp-sync arm may override keys of its ds_config's async_hzp section: "
+                             "BASE:key=value[:key=value]..., e.g. asynchzp:param_shard_size=1:grad_shard_size=2 "
+                             "(integers or \"auto\"); the whole spec names the arm in every output "
+                             "(default: %(default)s)")
     parser.add_argument("--nproc", type=_positive_int, default=4,
                         help="ranks (processes) to start (default: %(default)s)")
     parser.add_argument("--node-size", type=_positive_int, default=2,
@@ -125,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup-steps", type=_non_negative_int, default=1,
                         help="first optimizer steps left out of steady-state averages; must be < --steps "
                              "(default: %(default)s)")
+    parser.add_argument("--comm-delay-ms", type=_non_negative_float, default=0.0,
+                        help="sleep this many ms before and after each of the package's own collectives (the "
+                             "AsyncHZP arms'; stock DeepSpeed's are not delayed), modelling link latency that "
+                             "background communication can hide (default: %(default)s)")
     parser.add_argument("--out", default="bench_out", help="output directory (default: %(default)s)")
     parser.add_argument("--timeout", type=_positive_float, default=900.0,
                         help="seconds allowed per arm before its ranks are killed (default: %(default)s)")
@@ -205,6 +233,18 @@ def _override_value(text: str):
         raise ValueError(f"value {text!r} is not an integer or \"auto\"") from None
 
 
+def _async_comm_hint(base: str, raw: str, parts: list[str]) -> str:
+    """Which arm to run instead of overriding async_comm, spelled with the spec's other overrides."""
+    wanted = ASYNC_COMM_ARMS.get(raw.lower() == "true") if raw.lower() in ("true", "false") else None
+    if wanted is None:
+        return (f"{FORBIDDEN_OVERRIDE_KEYS['async_comm']}; run the asynchzp arm for communication on background "
+                "threads, the asynchzp-sync arm for synchronous communication")
+    if wanted == base:
+        return f"the {base} arm already runs with async_comm {raw.lower()}; leave the key out"
+    rest = [p for p in parts if p.partition("=")[0].strip() != "async_comm"]
+    return f"{FORBIDDEN_OVERRIDE_KEYS['async_comm']}; run the arm {':'.join([wanted, *rest])!r} instead"
+
+
 def parse_arm_spec(spec: str) -> ArmSpec:
     """Parse ``BASE[:key=value]...``; raises `ArmSpecError` naming the spec, the offending key and the valid keys."""
     base, *parts = [p.strip() for p in spec.strip().split(":")]
@@ -226,7 +266,8 @@ def parse_arm_spec(spec: str) -> ArmSpec:
                                f"{', '.join(OVERRIDABLE_ARMS)} arms take async_hzp keys (valid keys: "
                                f"{', '.join(valid)})")
         if key in FORBIDDEN_OVERRIDE_KEYS:
-            raise ArmSpecError(f"arm spec {name!r}: key {key!r} cannot be overridden ({FORBIDDEN_OVERRIDE_KEYS[key]}); "
+            hint = _async_comm_hint(base, raw, parts) if key == "async_comm" else FORBIDDEN_OVERRIDE_KEYS[key]
+            raise ArmSpecError(f"arm spec {name!r}: key {key!r} cannot be overridden: {hint}; "
                                f"valid keys: {', '.join(valid)}")
         if key not in valid:
             raise ArmSpecError(f"arm spec {name!r}: unknown key {key!r}; valid keys: {', '.join(valid)}")
@@ -258,7 +299,8 @@ def parse_arm_specs(text: str) -> list[ArmSpec]:
 
 
 def _check_arm_config(spec: ArmSpec, args: argparse.Namespace) -> None:
-    """Run the engine's own config check on an overridden arm now, so a bad value fails before any rank starts.
+    """Run the engine's own config check on an arm that sets section keys (its overrides, asynchzp-sync's
+    async_comm) now, so a bad value fails before any rank starts.
 
     With "auto" sizes the layout depends on the model's padded parameter count, which the engine computes; then
     only the section itself is validated here and the engine resolves the rest at start-up."""
@@ -288,7 +330,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.nproc % args.node_size:
         parser.error(f"--nproc {args.nproc} is not a multiple of --node-size {args.node_size}")
     for spec in specs:
-        if spec.overrides:
+        if spec.overrides or ARM_SECTION_KEYS.get(spec.base):
             try:
                 _check_arm_config(spec, args)
             except ArmSpecError as exc:
@@ -324,8 +366,13 @@ def arm_overrides(arm: str, args: argparse.Namespace) -> dict:
     if spec.base == "hpz":
         return {"zero_optimization.zero_hpz_partition_size": args.node_size}
     if spec.base in OVERRIDABLE_ARMS:
-        return {"async_hzp": {"node_size": args.node_size, **spec.overrides}}
+        return {"async_hzp": _async_hzp_section(spec, args)}
     return {}
+
+
+def _async_hzp_section(spec: ArmSpec, args: argparse.Namespace) -> dict:
+    # The arm's fixed keys cannot collide with the overrides: parse_arm_spec refuses those keys.
+    return {"node_size": args.node_size, **ARM_SECTION_KEYS[spec.base], **spec.overrides}
 
 
 def ds_config_for(arm: str, args: argparse.Namespace) -> dict:
@@ -349,7 +396,7 @@ def ds_config_for(arm: str, args: argparse.Namespace) -> dict:
     elif args.dtype == "fp16":
         config["fp16"] = {"enabled": True, "initial_scale_power": FP16_INITIAL_SCALE_POWER}
     if spec.base in OVERRIDABLE_ARMS:
-        config["async_hzp"] = {"node_size": args.node_size, **spec.overrides}
+        config["async_hzp"] = _async_hzp_section(spec, args)
     return config
 
 
@@ -413,6 +460,8 @@ def run_config(args: argparse.Namespace) -> dict:
         "warmup_steps": args.warmup_steps,
         "out": str(args.out),
         "timeout_s": args.timeout,
+        # Applies to the package's own collectives only (the AsyncHZP arms), before and after each one.
+        "comm_delay_ms": args.comm_delay_ms,
         "zero_optimization": dict(ZERO3_KNOBS),
         # Keyed by the arm's full spec; arms without overrides (zero3) are left out.
         "arm_overrides": {arm: arm_overrides(arm, args) for arm in args.arms if arm_overrides(arm, args)},
@@ -456,6 +505,7 @@ def _payload(arm: str, args: argparse.Namespace) -> dict:
         "micro_batch": args.micro_batch,
         "seed": args.seed,
         "node_size": args.node_size,
+        "comm_delay_ms": args.comm_delay_ms,
     }
 
 
@@ -493,8 +543,10 @@ def _run_arms(args: argparse.Namespace, results: dict, cluster=None) -> None:
             entries[arm].append(entry)
             results["arms"][arm] = merge_repeats(entries[arm])
             write_json_atomically(out / "results.json", results)
+            exposed, busy = entry.get("exposed_comm_s_per_step"), entry.get("comm_busy_s_per_step")
+            comm = "" if exposed is None or busy is None else f", exposed comm {exposed:.3f}s (busy {busy:.3f}s)"
             print(f"{label}: done in {entry['wall_time_s']:.1f}s, final loss {entry['losses'][-1]:.6f}, "
-                  f"median step {entry['median_step_time_s']:.3f}s", flush=True)
+                  f"median step {entry['median_step_time_s']:.3f}s{comm}", flush=True)
 
 
 def run_benchmark(args: argparse.Namespace) -> dict:

@@ -1,8 +1,9 @@
-"""A self-contained A/B report of one ``asynchzp-bench`` run: ``report.md`` plus three PNG plots.
+"""A self-contained A/B report of one ``asynchzp-bench`` run: ``report.md`` plus four PNG plots.
 
 Every figure in the report is read from results.json or computed from it in the open (ratios, medians, minima);
-nothing is estimated. Optional keys (repeats, network emulation, measured link bytes, time in collectives) are
-used when present and left out, with a note, when absent, so reports of older runs still render.
+nothing is estimated. Optional keys (repeats, network emulation, measured link bytes, exposed and busy
+communication time, timelines) are used when present and left out, with a note, when absent, so reports of older
+runs still render.
 
     python -m ds_asynchzp.bench.report bench_out/results.json [--out DIR]
 """
@@ -16,13 +17,15 @@ import statistics
 import sys
 from pathlib import Path
 
+from .timeline_plot import plot_timelines
 from .table import LAYOUT_LEGEND, MB, REFERENCE_ARM, layout_cells, max_rel_loss_diff, memory_roles, role_bytes
 
 NA = "n/a"
-PLOTS = ("loss.png", "bytes.png", "step_time.png")
-ARM_STYLES = {"zero3": ("tab:gray", "-", 3.5), "hpz": ("tab:orange", "--", 2.2), "asynchzp": ("tab:blue", ":", 2.2)}
+PLOTS = ("loss.png", "bytes.png", "step_time.png", "timeline.png")
+ARM_STYLES = {"zero3": ("tab:gray", "-", 3.5), "hpz": ("tab:orange", "--", 2.2), "asynchzp": ("tab:blue", ":", 2.2),
+              "asynchzp-sync": ("tab:purple", "-.", 2.2)}
 # Colours for the other arms (layout overrides such as asynchzp:param_shard_size=1), none shared with ARM_STYLES.
-EXTRA_COLORS = ("tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
+EXTRA_COLORS = ("tab:green", "tab:red", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
 # Collective kinds in a fixed order so colours and table rows match across runs; unknown kinds follow, sorted.
 OP_ORDER = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "reduce", "all_to_all", "send", "recv")
 # Recorded tokens/s and step times describe the same run; anything looser than this means a broken results file.
@@ -84,9 +87,19 @@ def arm_stats(entry: dict, config: dict) -> dict:
         "tps_min": tps_min, "tps_median": tps_median,
         "intra": entry["bytes_per_step"]["intra_node"], "inter": entry["bytes_per_step"]["inter_node"],
         "link": entry.get("link_bytes_inter_node_per_step"), "wire": entry.get("wire_bytes_inter_node_per_step"),
-        "exposed": entry.get("exposed_comm_s_per_step"),
+        **_comm_times(entry),
         "peak_rss": entry.get("peak_memory_bytes"), "model_state": (entry.get("model_state_bytes") or {}).get("total"),
     }
+
+
+def _comm_times(entry: dict) -> dict:
+    """Exposed and busy communication per step. Results that record busy time also record exposed time as the
+    training thread's blocked time; older ones held the summed durations of the collective calls under the same
+    key, which is kept apart ("in_collectives") rather than shown under a name it does not mean."""
+    exposed, busy = entry.get("exposed_comm_s_per_step"), entry.get("comm_busy_s_per_step")
+    if busy is None:
+        return {"exposed": None, "busy": None, "in_collectives": exposed}
+    return {"exposed": exposed, "busy": busy, "in_collectives": None}
 
 
 def _ordered_ops(arms: dict) -> list[str]:
@@ -119,11 +132,17 @@ def _provenance(env: dict, config: dict) -> list[str]:
         net = "not recorded"
     elif network.get("mode") == "emulated":
         delay = network.get("inter_node_delay_ms")
-        net = (f"emulated nodes (network namespaces); inter-node links shaped to {network.get('inter_node_bw', NA)}, "
+        bw = network.get("inter_node_bw", NA)
+        links = "inter-node links not shaped (unlimited)" if str(bw).lower() == "unlimited" else \
+            f"inter-node links shaped to {bw}"
+        net = (f"emulated nodes (network namespaces); {links}, "
                f"one-way delay {'none' if delay is None else f'{delay} ms'}, MTU {network.get('mtu', NA)}; "
                "ranks of one node talk over loopback, unshaped")
     else:
         net = f"{network.get('mode', NA)} (every rank talks over loopback; no shaping)"
+    delay = config.get("comm_delay_ms")
+    if delay:
+        net += f"; plus {delay:g} ms injected before and after each of the package's own collectives (see Workload)"
     return ["## Provenance", "",
             f"- Date (UTC): {get('date')}",
             f"- Git commit: {get('git_commit')}",
@@ -131,6 +150,17 @@ def _provenance(env: dict, config: dict) -> list[str]:
             f"Python {get('python')}",
             f"- Host: {get('host_cpus')} CPUs; gloo on CPU ranks (no accelerator)",
             f"- Network: {net}", ""]
+
+
+def _comm_delay_line(delay) -> str:
+    if delay is None:
+        return "- Injected communication delay: not recorded (runs that predate the option had none)"
+    if not delay:
+        return "- Injected communication delay: none (0 ms)"
+    return (f"- Injected communication delay: {delay:g} ms before and after each of the package's own collectives, "
+            "modelling link latency; it applies to the AsyncHZP arms only (stock DeepSpeed's collectives, which "
+            "zero3 and hpz issue, are not delayed), so it is a handicap of the AsyncHZP arms against the stock ones "
+            "and meant for comparing asynchzp with asynchzp-sync")
 
 
 def _workload(results: dict) -> list[str]:
@@ -153,7 +183,8 @@ def _workload(results: dict) -> list[str]:
              "ran from this one configuration and differ only in the overrides below)",
              f"- Steps: {config.get('steps', NA)} optimizer steps per arm; the first {config.get('warmup_steps', NA)} "
              "excluded from step-time and byte statistics as warm-up; repeats per arm: "
-             + str(config.get("repeats") or "1 (no repeats recorded)")]
+             + str(config.get("repeats") or "1 (no repeats recorded)"),
+             _comm_delay_line(config.get("comm_delay_ms"))]
     if None not in (tokens, world, micro, seq, ga) and tokens != world * micro * seq * ga:
         lines.append(f"- **Warning:** tokens_per_optimizer_step {tokens} != ranks x micro-batch x seq-len x "
                      f"grad accumulation = {world * micro * seq * ga}")
@@ -194,7 +225,7 @@ def _layout(arms: dict) -> list[str]:
             LAYOUT_LEGEND + " n/a: the run did not record a layout.", ""]
 
 
-def _results_table(arms: dict, stats: dict) -> list[str]:
+def _results_table(arms: dict, stats: dict, config: dict) -> list[str]:
     ref = stats.get(REFERENCE_ARM)
     columns = [("arm", lambda a, s: a),
                ("tokens/s/rank min", lambda a, s: _fmt(s["tps_min"], ".1f")),
@@ -206,8 +237,10 @@ def _results_table(arms: dict, stats: dict) -> list[str]:
                ("inter MB/step", lambda a, s: _mb(s["inter"])),
                ("inter ratio vs zero3", lambda a, s: _fmt(ref and _ratio(s["inter"], ref["inter"]), ".3f"))]
     # Optional measurements get a column only when some arm has them, so loopback runs carry no empty columns.
+    seconds = lambda v: _fmt(v, ".3f")  # noqa: E731
     optional = [("link", "link MB/step (ledger)", _mb), ("wire", "wire MB/step (measured)", _mb),
-                ("exposed", "exposed comm s/step", lambda v: _fmt(v, ".3f"))]
+                ("exposed", "exposed comm s/step", seconds), ("busy", "comm busy s/step", seconds),
+                ("in_collectives", "in collectives s/step (older results)", seconds)]
     for key, title, fmt in optional:
         if any(s[key] is not None for s in stats.values()):
             columns.append((title, lambda a, s, key=key, fmt=fmt: fmt(s[key])))
@@ -220,8 +253,27 @@ def _results_table(arms: dict, stats: dict) -> list[str]:
             "`step_time_stats_s`). Tokens/s per rank: recorded, or tokens per step / ranks / step time (its min comes "
             "from the slowest sample). Speed-up: zero3 median step time / the arm's. Bytes: ring-model bytes sent per "
             "rank per optimizer step, steady-state mean over ranks; MB = 10^6 bytes. Link MB: the ledger's prediction "
-            "of bytes crossing node links; wire MB: bytes counted on the emulated links, per rank. Exposed comm: "
-            "median over steady steps of time inside collectives. Peak RSS: largest rank. Model-state: rank 0.", ""]
+            "of bytes crossing node links; wire MB: bytes counted on the emulated links, per rank. "
+            + COMM_FOOTNOTE + (DELAY_FOOTNOTE if config.get("comm_delay_ms") else "")
+            + (IN_COLLECTIVES_FOOTNOTE if any(s["in_collectives"] is not None for s in stats.values()) else "")
+            + "Peak RSS: largest rank. Model-state: rank 0.", ""]
+
+
+COMM_FOOTNOTE = (
+    "Exposed comm: time the training thread was blocked on communication (inside a synchronous collective, in the "
+    "wait() of an asynchronous one, or waiting on a communication thread's job). Comm busy: time any collective "
+    "was in flight, issue to completion, on any thread (the union of their intervals). Both are taken per "
+    "optimizer step as the maximum over ranks, since the slowest rank bounds the step, then the median over "
+    "steady steps. Communication overlapped with compute shows as busy >> exposed; busy ~ exposed means the "
+    "training thread waited for all of it. ")
+# The injected sleeps surround a collective rather than belonging to it, which bends the busy >> exposed reading.
+DELAY_FOOTNOTE = (
+    "With the injected delay, busy time counts the collectives only, not the sleeps around them, while exposed "
+    "time counts the training thread's own sleeps and its waits on a communication thread's job (sleeps "
+    "included); busy can then fall below exposed. ")
+IN_COLLECTIVES_FOOTNOTE = (
+    "In collectives (older results): the summed durations of the collective calls, mean over ranks, which results "
+    "written before exposed and busy time were recorded hold; it is neither of them. ")
 
 
 def _bytes_table(arms: dict) -> list[str]:
@@ -287,6 +339,14 @@ HOW_TO_READ = """## How to read this
   up to the rounding of a different summation order (fp32 unit roundoff is about 6e-8), or exactly.
 - **Peak RSS** includes each process's Python and torch runtime; the differences between arms are what matter.
 """
+
+
+TIMELINE_GUIDE = (
+    "The timeline shows one steady optimizer step of rank 0 per arm: the training thread's compute with its waits "
+    "on communication in red, and every collective on the lane of the thread that issued it. Look at the red: "
+    "with communication on the background threads (asynchzp) the bars move to the asynchzp-gather / -reduce / "
+    "-boundary lanes and run under compute, so the red stays short; with synchronous communication (asynchzp-sync, "
+    "zero3, hpz) each collective sits on the training thread's lane above a matching red wait.")
 
 
 # ------------------------------------------------------------------------------------------------- plots
@@ -376,7 +436,8 @@ def _plot_bytes(arms: dict, stats: dict, path: Path) -> None:
         ax.set(title=f"{title} (ring model, per rank)", xlabel="arm")
         _arm_ticks(ax, names)
         ax.grid(axis="y", alpha=0.3)
-        ax.legend(fontsize="small")
+        if ax.get_legend_handles_labels()[0]:  # a side with no bytes at all has nothing to label
+            ax.legend(fontsize="small")
     tallest = max(max(s["intra"], s["inter"], s["link"] or 0, s["wire"] or 0) for s in stats.values()) / MB
     axes[0, 0].set_ylim(0, tallest * 1.12 or 1.0)  # room for the totals above the tallest bar
     axes[0, 0].set_ylabel("MB sent per optimizer step (10^6 bytes)")
@@ -390,10 +451,17 @@ def _plot_step_time(arms: dict, stats: dict, path: Path) -> None:
     ref = stats.get(REFERENCE_ARM)
     medians = [stats[a]["step_median"] for a in names]
     ax.bar(names, medians, color=[_style(a, names)[0] for a in names], alpha=0.75, label="median")
-    exposed = [stats[a]["exposed"] for a in names]
+    # The training thread's blocked time where recorded; older results only hold time inside collectives.
+    key, what = (("exposed", "of which training thread blocked on communication (median)")
+                 if any(stats[a]["exposed"] is not None for a in names)
+                 else ("in_collectives", "of which in collectives (median)"))
+    exposed = [stats[a][key] for a in names]
     if any(e is not None for e in exposed):
-        ax.bar(names, [e or 0.0 for e in exposed], fill=False, hatch="//", edgecolor="black",
-               label="of which in collectives (median)")
+        ax.bar(names, [e or 0.0 for e in exposed], fill=False, hatch="//", edgecolor="black", label=what)
+    busy = [(x, stats[a]["busy"]) for x, a in enumerate(names) if stats[a]["busy"] is not None]
+    if busy:
+        ax.hlines([b for _, b in busy], [x - 0.4 for x, _ in busy], [x + 0.4 for x, _ in busy], color="black",
+                  linestyles=":", linewidth=2, zorder=4, label="communication in flight, any thread (median)")
     for x, arm in enumerate(names):
         samples = stats[arm]["samples"]
         # Fixed horizontal spread instead of random jitter, so the same file gives the same picture.
@@ -429,13 +497,17 @@ def write_report(results: dict, out_dir: Path) -> Path:
     _plot_loss(arms, out_dir / "loss.png")
     _plot_bytes(arms, stats, out_dir / "bytes.png")
     _plot_step_time(arms, stats, out_dir / "step_time.png")
+    timeline_notes = plot_timelines(arms, out_dir / "timeline.png")
     title = (f"# asynchzp-bench A/B report: {', '.join(arms)} on `{config.get('model', NA)}`, "
              f"{config.get('world_size') or config.get('nproc', NA)} CPU ranks")
-    lines = [title, "", *_provenance(env, config), *_workload(results), *_results_table(arms, stats),
+    lines = [title, "", *_provenance(env, config), *_workload(results), *_results_table(arms, stats, config),
              *_bytes_table(arms), *_parity(arms), *_layout(arms), *_memory(arms), "## Plots", "",
              "![loss per optimizer step and relative difference vs zero3](loss.png)", "",
              "![bytes per optimizer step by collective kind](bytes.png)", "",
              "![time per optimizer step](step_time.png)", "",
+             "![one optimizer step of rank 0, interval by interval](timeline.png)", "",
+             TIMELINE_GUIDE, *(["", "Left out of the timeline: " + "; ".join(timeline_notes) + "."]
+                               if timeline_notes else []), "",
              HOW_TO_READ.format(ranks=config.get("nproc", NA), cpus=env.get("host_cpus", NA))]
     path = out_dir / "report.md"
     path.write_text("\n".join(lines).rstrip("\n") + "\n", encoding="utf-8")

@@ -13,7 +13,8 @@ MB = 1e6  # decimal megabytes, stated in the legend
 
 # Pipes inside a cell are escaped so the Markdown table keeps its columns.
 COLUMNS = ("arm", "final loss", r"max \|loss rel diff\| vs zero3", "intra MB/step", "inter MB/step",
-           "inter ratio vs zero3", "median step s", "peak RSS MB", "model-state MB")
+           "inter ratio vs zero3", "median step s", "exposed comm s/step", "comm busy s/step", "peak RSS MB",
+           "model-state MB")
 # Model-state roles in a fixed order (parameters, gradients, master weights, optimizer states); roles recorded by
 # `ds_asynchzp.accounting.memory.model_state_bytes` but not listed here follow, sorted.
 ROLE_ORDER = ("param_primary", "param_secondary", "param_shard", "grad_primary", "grad_shard", "master",
@@ -40,6 +41,10 @@ def _row(arm: str, entry: dict, reference: dict | None) -> list[str]:
     median = entry.get("median_step_time_s")
     if median is None:
         median = statistics.median(entry["step_time_s"])
+    # Only results that also carry busy time have the training-thread meaning of "exposed" (see the legend).
+    exposed, busy = entry.get("exposed_comm_s_per_step"), entry.get("comm_busy_s_per_step")
+    if busy is None:
+        exposed = None
     return [
         arm,
         f"{losses[-1]:.6f}",
@@ -48,6 +53,8 @@ def _row(arm: str, entry: dict, reference: dict | None) -> list[str]:
         f"{inter / MB:.3f}",
         ratio,
         f"{median:.3f}",
+        na if exposed is None else f"{exposed:.3f}",
+        na if busy is None else f"{busy:.3f}",
         f"{entry['peak_memory_bytes'] / MB:.1f}",
         f"{entry['model_state_bytes']['total'] / MB:.3f}",
     ]
@@ -118,7 +125,10 @@ def format_table(results: dict) -> str:
         f"{config.get('grad_accum', '?')} micro-steps (first {config.get('warmup_steps', '?')} excluded from "
         "step-time and byte averages).\n"
         "Bytes: ring-model wire bytes sent per rank per optimizer step (mean over ranks); MB = 10^6 bytes. "
-        "Losses: mean over ranks. Step time: slowest rank. Peak RSS: largest rank. Model-state: rank 0."
+        "Losses: mean over ranks. Step time: slowest rank. Peak RSS: largest rank. Model-state: rank 0.\n"
+        "Exposed comm: time the training thread was blocked on communication; comm busy: time any collective was "
+        "in flight, on any thread; both per step the largest over ranks, median over steady steps. Communication "
+        "hidden behind compute shows as busy >> exposed."
     )
     return "\n".join([*_markdown(rows), "", legend, "", "Layout and model-state memory per role (rank 0):", "",
                       format_layout_memory_table(results), "", LAYOUT_LEGEND])

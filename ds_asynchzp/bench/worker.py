@@ -98,6 +98,17 @@ def _read_int(path: str) -> int:
         return int(f.read())
 
 
+def _timeline(comm_ledger, mark: int, start: float, end: float) -> dict:
+    """One step's communication as intervals relative to its start: every collective by issuing thread (with
+    its tag), and the training thread's waits on communication. Enough to draw compute against each thread."""
+    collectives = [{"thread": r.thread, "op": r.op, "tag": r.tag or r.op, "start": r.started - start,
+                    "end": (r.ended or end) - start, "inter_node": r.inter_node}
+                   for r in comm_ledger.since(mark) if r.started < end]
+    waits = [{"start": max(s, start) - start, "end": min(e, end) - start, "what": what}
+             for s, e, what in comm_ledger.waits_between(start, end)]
+    return {"duration_s": end - start, "collectives": collectives, "waits": waits}
+
+
 def run_arm(payload: dict) -> dict:
     """Train `steps` optimizer steps under one arm on this rank; return per-step loss, time and bytes."""
     missing = [k for k in PAYLOAD_KEYS if k not in payload]
@@ -116,6 +127,13 @@ def run_arm(payload: dict) -> dict:
         now = time.perf_counter()
         phases[name] = now - phase_start
         phase_start = now
+
+    import os
+
+    if "comm_delay_ms" in payload:
+        # A fixed delay before and after every collective of the package (latency the threads can hide). Set even
+        # when 0, so a value inherited from the caller's shell cannot delay an arm that results.json says was not.
+        os.environ["DS_ASYNCHZP_COMM_DELAY_MS"] = str(float(payload["comm_delay_ms"]))
 
     import deepspeed
     import torch
@@ -147,6 +165,9 @@ def run_arm(payload: dict) -> dict:
     # the node's namespace): what really crossed between nodes, headers included.
     link_counter = _node_link_counter() if payload.get("read_link_counter") and rank % payload["node_size"] == 0 else None
     steps = []
+    # The step drawn in the report's timeline: a steady one, before the last (which also measures memory).
+    timeline_step = max(0, payload["steps"] - 2)
+    timeline = None
 
     def align_ranks() -> None:
         # The counter of a node sums what all its ranks sent; a rank still finishing the previous step when local
@@ -172,8 +193,12 @@ def run_arm(payload: dict) -> dict:
             engine.step()
             # .item() only syncs this rank's own computation; it is not a collective.
             loss_sum += loss.item()
-        elapsed = time.perf_counter() - start
+        end = time.perf_counter()
+        elapsed = end - start
         comm = ledger.summary(mark)
+        comm_ledger = ledger.get()
+        if step == timeline_step:
+            timeline = _timeline(comm_ledger, mark, start, end)
         align_ranks()
         tx_after = _read_int(link_counter) if link_counter else None
         if rank == 0:
@@ -182,6 +207,9 @@ def run_arm(payload: dict) -> dict:
         steps.append({
             "link_bytes": comm["link_bytes"],
             "comm_s": comm["seconds"],
+            # Time the training thread was blocked on communication, and time any collective was in flight.
+            "exposed_comm_s": comm_ledger.exposed_seconds(start, end),
+            "comm_busy_s": comm_ledger.busy_seconds(start, end, mark),
             "node_tx_bytes": tx_after - tx_before if link_counter else None,
             "loss": loss_sum / grad_accum,
             "time_s": elapsed,
@@ -203,4 +231,8 @@ def run_arm(payload: dict) -> dict:
         "layout": layout,
         "layout_text": layout_text,
         "peak_rss_bytes": _peak_rss_bytes(),
+        "timeline": timeline,
+        "timeline_step": timeline_step,
+        "buffer_allocations": (engine.optimizer.hzp_buffer_allocations()
+                               if hasattr(engine.optimizer, "hzp_buffer_allocations") else None),
     }
