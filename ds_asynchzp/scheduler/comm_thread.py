@@ -92,7 +92,9 @@ class CommThread:
 
     def submit(self, job: Callable[[], object], what: str, group: str) -> Pending:
         if self._failure is not None:
-            raise CommThreadError(f"the '{self.name}' communication thread failed earlier; {what} was not issued: "
+            lost = self.diagnose() if self.diagnose is not None else None
+            raise CommThreadError(f"the '{self.name}' communication thread failed earlier; {what} was not issued "
+                                  f"({lost or 'no peer rank is known to be lost'}): "
                                   f"{type(self._failure).__name__}: {self._failure}") from self._failure
         if not self._thread.is_alive():
             raise CommThreadError(f"the '{self.name}' communication thread is stopped; {what} was not issued")

@@ -5,7 +5,8 @@ its watchdog fires (10 to 30 minutes), and a launcher that stops the other ranks
 Each rank publishes `host:pid` in the rendezvous store at start. A daemon thread then checks, every half second,
 that every peer on the same host is alive, and that every peer on another host keeps bumping its heartbeat
 counter in the store (counters, not clocks: hosts need not agree on the time). A peer that ended cleanly marks
-itself closed first and is not reported. When a peer is lost the thread prints one line and ends the process.
+itself closed first and is not reported. When a peer is lost the thread prints one line, publishes the verdict
+in the store (so ranks whose collectives failed first still name the right rank) and ends the process.
 
 A launcher that stops the surviving ranks itself (the `deepspeed` launcher sends SIGTERM once one rank dies)
 may do so before the next poll: a SIGTERM handler, chained to the one it replaces, checks the peers once and
@@ -29,6 +30,7 @@ import torch.distributed as dist
 POLL_S = 0.5
 HEARTBEAT_EVERY = 4          # polls between heartbeat bumps (2 s)
 REMOTE_SILENCE_S = 20.0      # a remote peer whose heartbeat does not move this long is lost
+STORE_HOST_LINGER_S = 3.0    # rank 0 (the store host) waits this long after publishing a lost peer
 _GENERATION = [0]            # engines made in this process so far: keys of one engine never mix with another's
 
 
@@ -61,6 +63,7 @@ class PeerMonitor:
         self.host = socket.gethostname()
         self.peers: Dict[int, tuple] = {}
         self.lost: Optional[str] = None
+        self.store_unreachable = False
         self._exit = exit_process or (lambda code: os._exit(code))
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -93,7 +96,13 @@ class PeerMonitor:
 
     def _check_local_peers(self, exit_when_lost: bool) -> bool:
         for peer, (host, pid) in self.peers.items():
-            if host == self.host and not _pid_alive(pid) and not self._closed(peer):
+            if host == self.host and not _pid_alive(pid):
+                try:
+                    if self._closed(peer):
+                        continue
+                except Exception:  # noqa: BLE001 - store gone: see _closed
+                    self.store_unreachable = True
+                    return False
                 self._report(peer, f"its process (pid {pid} on {host}) has ended", exit_when_lost)
                 return True
         return False
@@ -103,9 +112,38 @@ class PeerMonitor:
         that was just killed may take a moment to be reaped, so this looks for up to `patience_s`."""
         if self.lost is None and self.peers:
             end = time.monotonic() + patience_s
-            while not self._check_local_peers(exit_when_lost=False) and time.monotonic() < end:
+            while time.monotonic() < end:
+                if self._verdict_of_others() or self._check_local_peers(exit_when_lost=False):
+                    break
+                if self.store_unreachable:
+                    return ("the rendezvous store is unreachable: the rank hosting it (MASTER_ADDR, usually rank 0) "
+                            "has probably ended")
                 time.sleep(0.1)
+            if self.lost is not None:
+                self._linger_if_store_host()
         return self.lost
+
+    def _verdict_of_others(self) -> bool:
+        """Another rank already found the lost peer (and published it): take its verdict."""
+        key = f"{self.prefix}/lost"
+        try:
+            if not self.store.check([key]):
+                return False
+            verdict = self.store.get(key).decode()
+        except Exception:  # noqa: BLE001 - store gone
+            self.store_unreachable = True
+            return False
+        if self.lost is None:
+            self.lost = verdict
+            print(f"[ds_asynchzp] rank {self.rank}: {verdict}; ending this rank instead of waiting on collectives "
+                  "that can never complete", file=sys.stderr, flush=True)
+        return True
+
+    def _linger_if_store_host(self) -> None:
+        # The rendezvous store lives in rank 0's process: give the other ranks a moment to read the verdict
+        # before it goes, or they could only say that the store vanished.
+        if self.rank == 0:
+            time.sleep(STORE_HOST_LINGER_S)
 
     def close(self) -> None:
         """This rank ends cleanly: tell the peers, then stop watching them."""
@@ -123,10 +161,9 @@ class PeerMonitor:
             pass
 
     def _closed(self, peer: int) -> bool:
-        try:
-            return self.store.check([f"{self.prefix}/closed/{peer}"])
-        except Exception:  # noqa: BLE001
-            return False
+        """Whether the peer ended cleanly. Raises when the store cannot say (its host ended): then nobody is
+        accused, since a run whose store host finished is ending anyway."""
+        return self.store.check([f"{self.prefix}/closed/{peer}"])
 
     def _run(self) -> None:
         beats, seen, polls = 0, {}, 0
@@ -136,7 +173,10 @@ class PeerMonitor:
                 if polls % HEARTBEAT_EVERY == 0:
                     beats += 1
                     self.store.set(f"{self.prefix}/beat/{self.rank}", str(beats))
-                if self._check_local_peers(exit_when_lost=True):
+                if self._verdict_of_others():
+                    self._linger_if_store_host()
+                    return self._exit(1)
+                if self._check_local_peers(exit_when_lost=True) or self.store_unreachable:
                     return
                 now = time.monotonic()
                 for peer, (host, pid) in self.peers.items():
@@ -145,7 +185,7 @@ class PeerMonitor:
                         last = seen.get(peer)
                         if last is None or last[0] != value:
                             seen[peer] = (value, now)
-                        elif now - last[1] > REMOTE_SILENCE_S and not self._closed(peer):
+                        elif now - last[1] > REMOTE_SILENCE_S and not self._closed(peer):  # raises: store gone
                             return self._report(peer, f"its heartbeat (on {host}) stopped {REMOTE_SILENCE_S:.0f} s ago")
             except Exception as error:  # noqa: BLE001 - the store went away: leave the run to its own errors
                 print(f"[ds_asynchzp] rank {self.rank}: peer monitor stopped, rendezvous store unreachable: {error}",
@@ -155,7 +195,12 @@ class PeerMonitor:
     def _report(self, peer: int, why: str, exit_now: bool = True) -> None:
         if self.lost is None:
             self.lost = f"rank {peer} was lost: {why}"
+            try:
+                self.store.set(f"{self.prefix}/lost", self.lost)
+            except Exception:  # noqa: BLE001 - store gone; the line below still names the rank
+                pass
             print(f"[ds_asynchzp] rank {self.rank}: {self.lost}; ending this rank instead of waiting on collectives "
                   "that can never complete", file=sys.stderr, flush=True)
         if exit_now:
+            self._linger_if_store_host()
             self._exit(1)
