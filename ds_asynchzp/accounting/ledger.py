@@ -124,6 +124,7 @@ class CommLedger:
         self._originals: Dict[str, object] = {}
         self._backend = None
         self.waits: List[tuple] = []   # (start, end, what): the training thread blocked on communication
+        self.delays: List[tuple] = []  # (start, end): test-only latency injected around collectives (any thread)
 
     # ------------------------------------------------------------------ install
     def install(self) -> None:
@@ -179,6 +180,12 @@ class CommLedger:
             with self._lock:
                 self.waits.append((start, end, what))
 
+    def note_delay(self, start: float, end: float) -> None:
+        """An injected latency: part of communication, so it counts as busy time (and, on the training thread,
+        as a wait through `note_wait`)."""
+        with self._lock:
+            self.delays.append((start, end))
+
     def exposed_seconds(self, start: float, end: float) -> float:
         """Time in [start, end) the training thread was blocked on communication."""
         with self._lock:
@@ -186,8 +193,11 @@ class CommLedger:
 
     def busy_seconds(self, start: float, end: float, mark: int = 0) -> float:
         """Length of the union of collective intervals (records from `mark` on), clipped to [start, end)."""
-        intervals = sorted((max(r.started, start), min(r.ended or end, end)) for r in self.since(mark)
-                           if r.started < end and (r.ended or end) > start)
+        intervals = [(max(r.started, start), min(r.ended or end, end)) for r in self.since(mark)
+                     if r.started < end and (r.ended or end) > start]
+        with self._lock:
+            intervals += [(max(s, start), min(e, end)) for s, e in self.delays if s < end and e > start]
+        intervals.sort()
         total, cursor = 0.0, start
         for s, e in intervals:
             s = max(s, cursor)
@@ -353,6 +363,11 @@ def summary(mark: int = 0, until: Optional[int] = None) -> dict:
 def note_wait(start: float, end: float, what: str) -> None:
     if _LEDGER is not None:
         _LEDGER.note_wait(start, end, what)
+
+
+def note_delay(start: float, end: float) -> None:
+    if _LEDGER is not None:
+        _LEDGER.note_delay(start, end)
 
 
 def tagged(tag: str):

@@ -266,11 +266,9 @@ COMM_FOOTNOTE = (
     "optimizer step as the maximum over ranks, since the slowest rank bounds the step, then the median over "
     "steady steps. Communication overlapped with compute shows as busy >> exposed; busy ~ exposed means the "
     "training thread waited for all of it. ")
-# The injected sleeps surround a collective rather than belonging to it, which bends the busy >> exposed reading.
 DELAY_FOOTNOTE = (
-    "With the injected delay, busy time counts the collectives only, not the sleeps around them, while exposed "
-    "time counts the training thread's own sleeps and its waits on a communication thread's job (sleeps "
-    "included); busy can then fall below exposed. ")
+    "The injected delays count as communication: as busy time on every thread, and as exposed time where the "
+    "training thread sleeps or waits on a job that does. ")
 IN_COLLECTIVES_FOOTNOTE = (
     "In collectives (older results): the summed durations of the collective calls, mean over ranks, which results "
     "written before exposed and busy time were recorded hold; it is neither of them. ")

@@ -41,7 +41,9 @@ def _injected_delay() -> None:
     """The test-only delay counts as communication the calling thread waited for, like the collective itself."""
     started = time.perf_counter()
     if delay_injection.around():
-        ledger.note_wait(started, time.perf_counter(), "injected delay")
+        ended = time.perf_counter()
+        ledger.note_wait(started, ended, "injected delay")
+        ledger.note_delay(started, ended)
 
 
 def _issue(call, *args, **kwargs) -> Work:
