@@ -59,6 +59,18 @@ def aggregate_arm(rank_results: list, warmup: int, tokens_per_step: int) -> dict
     wire = None
     if readers:
         wire = sum(_steady_mean([st["node_tx_bytes"] for st in r["steps"]], warmup) for r in readers) / n_ranks
+    link = mean_over_ranks(lambda st: st["link_bytes"])
+    if all("steady_bytes_per_step" in r for r in by_rank):
+        # Totals over all steady steps, from and to a quiet point: per-step windows split a refresh that runs
+        # into the next step by timing (the per-step figures above stay in `steps` for plots only).
+        steady = [r["steady_bytes_per_step"] for r in by_rank]
+        bytes_per_step = {w: sum(s[w] for s in steady) / n_ranks for w in where}
+        ops = sorted({op for s in steady for op in s["by_op"]})
+        bytes_by_op = {op: {w: sum(s["by_op"].get(op, {}).get(w, 0.0) for s in steady) / n_ranks for w in where}
+                       for op in ops}
+        link = sum(s["link_bytes"] for s in steady) / n_ranks
+        if readers:
+            wire = sum(r["steady_bytes_per_step"]["node_tx_bytes"] for r in readers) / n_ranks
 
     median_step = statistics.median(step_times[warmup:])
     classes = sorted({r["optimizer_class"] for r in by_rank})
@@ -69,7 +81,7 @@ def aggregate_arm(rank_results: list, warmup: int, tokens_per_step: int) -> dict
         "startup_s": {k: max(r["startup_s"][k] for r in by_rank) for k in by_rank[0]["startup_s"]},
         "bytes_per_step": bytes_per_step,
         "bytes_per_step_by_op": bytes_by_op,
-        "link_bytes_inter_node_per_step": mean_over_ranks(lambda st: st["link_bytes"]),
+        "link_bytes_inter_node_per_step": link,
         "wire_bytes_inter_node_per_step": wire,
         "comm_time_s": comm_time,
         # Per optimizer step, slowest rank: training thread blocked on communication / any collective in flight.

@@ -506,6 +506,7 @@ def _payload(arm: str, args: argparse.Namespace) -> dict:
         "seed": args.seed,
         "node_size": args.node_size,
         "comm_delay_ms": args.comm_delay_ms,
+        "warmup_steps": args.warmup_steps,
     }
 
 

@@ -176,10 +176,19 @@ def run_arm(payload: dict) -> dict:
         if payload.get("read_link_counter"):
             deepspeed.comm.barrier()
 
+    quiesce = getattr(engine.optimizer, "_hzp_quiesce_params", None)
+    steady_from = min(int(payload.get("warmup_steps", 0)), payload["steps"] - 1)
     for step in range(payload["steps"]):
+        if step == steady_from and quiesce is not None:
+            # Bytes are totalled over the steady steps as a whole: a parameter refresh submitted at the end of
+            # a step crosses the link during the next one, so per-step windows split it by timing. Start the
+            # total from a quiet point (outside any timed step), and end it at one (after the loop).
+            quiesce()
         align_ranks()
         mark = ledger.mark()
         tx_before = _read_int(link_counter) if link_counter else None
+        if step == steady_from:
+            steady_mark, steady_tx = mark, tx_before
         start = time.perf_counter()
         loss_sum = 0.0
         for micro in range(grad_accum):
@@ -220,9 +229,23 @@ def run_arm(payload: dict) -> dict:
                       for op, v in comm["by_op"].items()},
         })
 
+    if quiesce is not None:
+        quiesce()
+    align_ranks()
+    steady_steps = payload["steps"] - steady_from
+    totals = ledger.summary(steady_mark)
+    steady = {"steps": steady_steps,
+              "intra_node": totals["intra_node"] / steady_steps, "inter_node": totals["inter_node"] / steady_steps,
+              "link_bytes": totals["link_bytes"] / steady_steps,
+              "node_tx_bytes": (_read_int(link_counter) - steady_tx) / steady_steps if link_counter else None,
+              "by_op": {op: {"intra_node": v["intra_node"] / steady_steps, "inter_node": v["inter_node"] / steady_steps}
+                        for op, v in totals["by_op"].items()}}
+
     return {
         "rank": rank,
         "world_size": world,
+        # Bytes per steady optimizer step, totalled over all steady steps (see above).
+        "steady_bytes_per_step": steady,
         "arm": payload["arm"],
         "optimizer_class": optimizer_class,
         "steps": steps,
