@@ -1,0 +1,20 @@
+"""Fused data-movement and quantization ops for the engine's collectives, JIT-built from C++/CUDA.
+
+* ``pack`` / ``unpack``: many (strided) tensors to one flat buffer and back, in one pass;
+* ``unpack_gathered``: a parameter all-gather's receive buffer laid out in atom order, per parameter;
+* ``bucket_add``: gradients copied or added into a reduce-scatter bucket, transposed, padded, scaled and cast
+  in one pass;
+* ``quantize`` / ``dequantize``: symmetric absmax int8 / int4 block quantization;
+* ``dequantize_reduce``: the fp32 sum of k quantized chunks (an all-to-all reduction).
+
+The library is built on first use (``builder.py``); where it cannot be, the pure-torch reference ops in
+``reference.py`` (the specification) run instead. ``status()`` says which, and why. docs/ops.md has the
+layouts and the NaN/inf rules.
+"""
+
+from .api import (DEFAULT_BLOCK_SIZE, bucket_add, dequantize, dequantize_reduce, pack, quantize, quantized_sizes,
+                  unpack, unpack_gathered)
+from .builder import Status, status
+
+__all__ = ["DEFAULT_BLOCK_SIZE", "Status", "bucket_add", "dequantize", "dequantize_reduce", "pack", "quantize",
+           "quantized_sizes", "status", "unpack", "unpack_gathered"]

@@ -1,0 +1,24 @@
+// The CPU kernels (cpu_layout.cpp, cpu_quant.cpp), declared for registration.cpp. Kept apart from
+// torch/library.h, the heaviest header of the build, which only registration.cpp compiles.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+namespace dsa {
+
+void pack_cpu(at::TensorList srcs, const at::Tensor& out);
+void unpack_cpu(const at::Tensor& flat, at::TensorList outs);
+void unpack_gathered_cpu(const at::Tensor& recv, at::TensorList outs, at::IntArrayRef atoms, int64_t group_size,
+                         int64_t rows);
+void bucket_add_cpu(const at::Tensor& bucket, at::TensorList grads, at::IntArrayRef atoms, int64_t group_size,
+                    int64_t rows, double scale, bool accumulate);
+void quantize_cpu(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, int64_t bits,
+                  int64_t block_size);
+void dequantize_cpu(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& out, int64_t bits,
+                    int64_t block_size);
+void dequantize_reduce_cpu(const at::Tensor& chunks, const at::Tensor& scales, const at::Tensor& out, int64_t bits,
+                           int64_t block_size);
+
+}  // namespace dsa
