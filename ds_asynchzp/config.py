@@ -48,6 +48,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .accounting import sizing
 from .errors import AsyncHZPConfigError, ConfigIssue
+from .layout import HierarchicalLayout
+from .quantization import QuantizationPlan, plan_quantization
 
 
 SECTION = "async_hzp"
@@ -133,6 +135,40 @@ class AsyncHZPConfig(BaseModel):
         description="Seconds any wait on a collective may take before the run ends with an error naming the "
         "collective and its group (instead of a hang).",
     )
+    quantized_weights: bool = Field(
+        False,
+        description="Send the per-micro-step parameter all-gathers (inside the node) as INT8 blocks with one fp32 "
+        "scale per block (ZeRO++ qwZ): half the bytes of bf16. Forward and backward then compute with the "
+        "dequantized weights; optimizer states and checkpoints stay exact.",
+    )
+    quantized_gradients: bool = Field(
+        False,
+        description="Run every gradient reduction as a block-quantized all-to-all (gradient_quantization_bits): "
+        "the per-micro-step hop inside the gradient shard group, then the once-per-step hop across nodes; each "
+        "hop sums the dequantized values in fp32 (ZeRO++ qgZ).",
+    )
+    quantize_cross_node: bool = Field(
+        False,
+        description="Quantize only the traffic that crosses nodes: the once-per-step gradient exchange (and "
+        "optimizer-replica all-reduce) with gradient_quantization_bits, the parameter refresh in INT8. "
+        "Intra-node traffic keeps full precision.",
+    )
+    gradient_quantization_bits: Literal[8, 4] = Field(
+        8, description="Bits per quantized gradient value: 8 or 4 (two values a byte)."
+    )
+    quantization_block_size: int = Field(
+        512,
+        ge=2,
+        multiple_of=2,
+        description="Values per quantization block (one fp32 scale each); smaller blocks are more accurate and "
+        "send more scales (4 bytes per block).",
+    )
+    error_feedback: bool = Field(
+        False,
+        description="With a quantized cross-node gradient exchange: each rank adds to the gradients it sends "
+        "what quantization dropped from them the step before (kept in fp32, 4 bytes per gradient-shard "
+        "element, saved in checkpoints).",
+    )
 
 
 # Per field: what a valid value looks like and how to fix a bad one.
@@ -151,6 +187,12 @@ _FIELD_RULES = {
     "prefetch_depth": ("an integer >= 0", "set how many gathers may run ahead of compute, e.g. 2, or remove it."),
     "boundary_bucket_size": ("a positive integer or null", "set elements per cross-node chunk, or remove it."),
     "comm_timeout_s": ("a positive finite number", "set the seconds a collective may take, e.g. 300, or remove it."),
+    "quantized_weights": ("true or false", "use a JSON boolean (true/false)."),
+    "quantized_gradients": ("true or false", "use a JSON boolean (true/false)."),
+    "quantize_cross_node": ("true or false", "use a JSON boolean (true/false)."),
+    "gradient_quantization_bits": ("8 or 4", "use 8 (INT8) or 4 (INT4), or remove it for 8."),
+    "quantization_block_size": ("an even integer >= 2", "set values per block, e.g. 512, or remove it."),
+    "error_feedback": ("true or false", "use a JSON boolean (true/false)."),
 }
 
 
@@ -227,6 +269,23 @@ class ResolvedLayout:
     prefetch_depth: int = 2
     boundary_bucket_size: Optional[int] = None
     comm_timeout_s: float = 300.0
+    # Quantized communication (the async_hzp keys of the same names; `quantization_plan()` says which flows).
+    quantized_weights: bool = False
+    quantized_gradients: bool = False
+    quantize_cross_node: bool = False
+    gradient_quantization_bits: int = 8
+    quantization_block_size: int = 512
+    error_feedback: bool = False
+
+    def grid(self) -> HierarchicalLayout:
+        return HierarchicalLayout(self.world_size, self.node_size, self.param_shard_size, self.grad_shard_size,
+                                  self.optimizer_shard_size)
+
+    def quantization_plan(self) -> QuantizationPlan:
+        """Which flows of this layout travel quantized, in which format (`ds_asynchzp.quantization`)."""
+        return plan_quantization(self.grid(), self.quantized_weights, self.quantized_gradients,
+                                 self.quantize_cross_node, self.gradient_quantization_bits,
+                                 self.quantization_block_size, self.error_feedback)
 
     def as_dict(self) -> dict:
         """The layout as JSON-ready values (what the benchmark records per arm in results.json)."""
@@ -236,7 +295,12 @@ class ResolvedLayout:
                 "optimizer_shard_size": self.optimizer_shard_size,
                 "param_replicas": w // self.param_shard_size, "grad_replicas": w // self.grad_shard_size,
                 "optimizer_replicas": w // self.optimizer_shard_size, "auto_reason": self.auto_reason,
-                "async_comm": self.async_comm, "prefetch_depth": self.prefetch_depth}
+                "async_comm": self.async_comm, "prefetch_depth": self.prefetch_depth,
+                "quantized_weights": self.quantized_weights, "quantized_gradients": self.quantized_gradients,
+                "quantize_cross_node": self.quantize_cross_node,
+                "gradient_quantization_bits": self.gradient_quantization_bits,
+                "quantization_block_size": self.quantization_block_size, "error_feedback": self.error_feedback,
+                "quantization": self.quantization_plan().describe()}
 
     def describe(self) -> str:
         """One line for rank 0's log: every size with its replica count, and why "auto" chose it."""
@@ -249,6 +313,9 @@ class ResolvedLayout:
             + (f"communication on background threads (prefetch depth {self.prefetch_depth})" if self.async_comm
                else "communication synchronous (async_comm false)")
         )
+        plan = self.quantization_plan()
+        if plan.any:
+            text = f"{text}; {plan.describe()}"
         return f"{text}; {self.auto_reason}" if self.auto_reason else text
 
 
@@ -335,10 +402,15 @@ def _compat_issues(ds_config: dict, has_client_optimizer: bool) -> list[ConfigIs
             f"remove zero_optimization.zero_hpz_partition_size (or set it to 1) and use "
             f"async_hzp.param_shard_size: {hpz} instead."))
 
-    for key in ("zero_quantized_gradients", "zero_quantized_weights", "zero_quantized_nontrainable_weights"):
+    # ZeRO++ quantization lives in Stage 3 paths that async_hzp replaces; its own keys quantize those flows.
+    ours = {"zero_quantized_gradients": f"{SECTION}.quantized_gradients", "zero_quantized_weights":
+            f"{SECTION}.quantized_weights", "zero_quantized_nontrainable_weights": None}
+    for key, instead in ours.items():
         if zero.get(key):
-            issues.append(ConfigIssue(f"zero_optimization.{key}", "is true, which is not supported together with async_hzp yet.",
-                                      f"set zero_optimization.{key} to false, or remove the async_hzp section."))
+            fix = (f"set zero_optimization.{key} to false and use {instead}: true instead" if instead else
+                   f"set zero_optimization.{key} to false, or remove the async_hzp section")
+            issues.append(ConfigIssue(f"zero_optimization.{key}",
+                                      "is true; ZeRO++ quantization cannot be combined with async_hzp.", f"{fix}."))
 
     for key in ("offload_param", "offload_optimizer"):
         offload = zero.get(key)
@@ -393,6 +465,15 @@ def _compat_issues(ds_config: dict, has_client_optimizer: bool) -> list[ConfigIs
             'add an "optimizer" section, e.g. {"type": "AdamW", "params": {"lr": 1e-4}}, '
             "or pass optimizer= to deepspeed.initialize."))
     return issues
+
+
+def _quantization_issues(section: AsyncHZPConfig) -> list[ConfigIssue]:
+    if section.error_feedback and not (section.quantize_cross_node or section.quantized_gradients):
+        return [ConfigIssue(f"{SECTION}.error_feedback", "is true, but no gradient exchange is quantized, so there is "
+                            "no quantization error to feed back.",
+                            f"set {SECTION}.quantize_cross_node (or {SECTION}.quantized_gradients) to true, or "
+                            f"remove {SECTION}.error_feedback.")]
+    return []
 
 
 _NODE_ENV = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE")
@@ -519,7 +600,7 @@ def resolve_layout(
     section = section_from_ds_config(ds_config)
     if section is None:
         return None
-    issues = _compat_issues(ds_config, has_client_optimizer)
+    issues = _compat_issues(ds_config, has_client_optimizer) + _quantization_issues(section)
     if issues:
         raise AsyncHZPConfigError(issues)
 
@@ -554,4 +635,10 @@ def resolve_layout(
     # Logged by the engine once its process groups exist (rank 0 only).
     return ResolvedLayout(world, node, world // node, d_p, d_g, d_o, log_layout=section.log_layout,
                           auto_reason=reason, async_comm=section.async_comm, prefetch_depth=section.prefetch_depth,
-                          boundary_bucket_size=section.boundary_bucket_size, comm_timeout_s=section.comm_timeout_s)
+                          boundary_bucket_size=section.boundary_bucket_size, comm_timeout_s=section.comm_timeout_s,
+                          quantized_weights=section.quantized_weights,
+                          quantized_gradients=section.quantized_gradients,
+                          quantize_cross_node=section.quantize_cross_node,
+                          gradient_quantization_bits=section.gradient_quantization_bits,
+                          quantization_block_size=section.quantization_block_size,
+                          error_feedback=section.error_feedback)

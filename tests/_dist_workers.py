@@ -39,7 +39,7 @@ def ds_config(case: dict) -> dict:
     config = {
         "train_micro_batch_size_per_gpu": case.get("micro_batch", 2),
         "gradient_accumulation_steps": case["gas"],
-        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
+        "optimizer": {"type": "AdamW", "params": {"lr": case.get("lr", 3e-3), "weight_decay": 0.01}},
         "gradient_clipping": case.get("clip", 1.0),
         "zero_optimization": dict(DEFAULT_KNOBS if case.get("default_knobs") else ZERO3_KNOBS, **case.get("zero", {})),
         "steps_per_print": 10**9,
@@ -127,6 +127,28 @@ def _shards_vs_consolidated(engine) -> float:
     return worst
 
 
+def _error_feedback_norm(engine):
+    feedback = getattr(engine.optimizer, "hzp_error_feedback", None)
+    return None if feedback is None else float(feedback.residual.double().norm())
+
+
+def _nonzero_padding(engine) -> int:
+    """Elements past a parameter's end, in any row of any parameter shard, that are not zero (quantization reads
+    whole blocks, padding included)."""
+    shards = engine.optimizer.hzp_params
+    layout = shards.layout
+    j = shards.shard_index
+    nonzero = 0
+    for buffer in shards.buffers:
+        for param in buffer.params:
+            atoms = buffer.atoms(param)
+            for t in range(buffer.rows):
+                start = (j + t * layout.param_shard_size) * atoms.shape[1]
+                valid = max(0, min(atoms.shape[1], param.ds_numel - start))
+                nonzero += int(atoms[t, valid:].count_nonzero())
+    return nonzero
+
+
 class _LargestAllocation(torch.utils._python_dispatch.TorchDispatchMode):
     """Records the largest tensor storage created by any op run under it (views and in-place ops create none)."""
 
@@ -183,6 +205,7 @@ def train_case(case: dict) -> dict:
     engine = _build_engine(case)
     optimizer_class = type(engine.optimizer).__name__
     losses, steps, shard_diffs, safe_grads = [], [], [], []
+    resumed_feedback = None
     recorder = None
     if case.get("record_allocations"):
         recorder = _LargestAllocation()
@@ -204,9 +227,14 @@ def train_case(case: dict) -> dict:
             # Save, throw the engine away, and continue from the checkpoint in a fresh one.
             directory = _shared_dir(case)
             engine.save_checkpoint(directory, tag="resume")
+            saved_feedback = _error_feedback_norm(engine)
             engine.destroy()
             engine = _build_engine(dict(case, seed=case.get("seed", 7) + 1))  # different init: must be overwritten
             engine.load_checkpoint(directory, tag="resume")
+            if case.get("forget_error_feedback"):
+                # The negative control: as if the checkpoint had not kept the error-feedback residual.
+                engine.optimizer.hzp_error_feedback.reset()
+            resumed_feedback = (saved_feedback, _error_feedback_norm(engine))
         if step == FIRST_STEADY_STEP:
             # Bytes are compared over whole steady steps: a refresh submitted at the end of one step runs into
             # the next, so per-step windows split it by timing; from a quiet point to the end they do not.
@@ -240,6 +268,8 @@ def train_case(case: dict) -> dict:
             steps[-1]["buffer_allocations"] = sum(engine.optimizer.hzp_buffer_allocations().values())
         if case.get("check_shards"):
             shard_diffs.append(_shards_vs_consolidated(engine))
+        if case.get("check_padding"):
+            steps[-1]["nonzero_padding"] = _nonzero_padding(engine)
     if hasattr(engine.optimizer, "_hzp_quiesce_params"):
         engine.optimizer._hzp_quiesce_params()     # the last refresh is in the sequence too
     sequences = _sequences_by_communicator(case_mark)
@@ -285,6 +315,8 @@ def train_case(case: dict) -> dict:
         "comm_delay": case.get("comm_delay", ""),
         "hazard_case": bool(case.get("hazard_case")),
         "layout": (engine.optimizer.hzp_layout.__dict__ if hasattr(engine.optimizer, "hzp_layout") else None),
+        "error_feedback_norm": _error_feedback_norm(engine),
+        "resumed_error_feedback": resumed_feedback,
     }
     result["final_params"] = _full_params(engine)
     engine.destroy()

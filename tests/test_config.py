@@ -318,6 +318,33 @@ def test_scheduling_keys_resolve_and_bad_values_name_the_key():
         assert f"async_hzp.{key}" in str(info.value), str(info.value)
 
 
+def test_quantization_keys_resolve_to_the_engine_plan():
+    layout = resolve_layout(make({"quantize_cross_node": True, "gradient_quantization_bits": 4,
+                                  "quantization_block_size": 256, "error_feedback": True}), 8, 4)
+    plan = layout.quantization_plan()
+    # d_p = d_g = 4 inside a node, d_o = 8 across both: only the once-per-step flows cross nodes.
+    assert plan.param_gather is None and plan.grad_reduce_scatter is None and plan.boundary_allreduce is None
+    assert (plan.boundary_grad.bits, plan.boundary_grad.block_size, plan.param_refresh.bits) == (4, 256, 8)
+    assert plan.error_feedback
+    assert "boundary_grad INT4, param_refresh INT8 (blocks of 256), with error feedback" in layout.describe()
+    weights = resolve_layout(make({"quantized_weights": True, "quantized_gradients": True}), 8, 4)
+    plan = weights.quantization_plan()
+    assert plan.param_gather.bits == 8 and plan.grad_reduce_scatter.bits == plan.boundary_grad.bits == 8
+    assert plan.param_refresh is None and not plan.error_feedback
+
+
+@pytest.mark.parametrize("section, key", [
+    ({"error_feedback": True}, "async_hzp.error_feedback"),
+    ({"gradient_quantization_bits": 2}, "async_hzp.gradient_quantization_bits"),
+    ({"quantization_block_size": 511}, "async_hzp.quantization_block_size"),
+    ({"quantized_weights": "yes"}, "async_hzp.quantized_weights"),
+])
+def test_bad_quantization_keys_are_named(section, key):
+    with pytest.raises(AsyncHZPConfigError) as info:
+        resolve_layout(make(section), 8, 4)
+    assert key in info.value.keys, str(info.value)
+
+
 def test_layout_fields_description_and_dict():
     layout = resolve_layout(make(), 8, 4)
     assert layout == ResolvedLayout(world_size=8, node_size=4, num_nodes=2, param_shard_size=4, grad_shard_size=4,
@@ -329,8 +356,11 @@ def test_layout_fields_description_and_dict():
     assert layout.as_dict() == {"world_size": 8, "node_size": 4, "num_nodes": 2, "param_shard_size": 4,
                                 "grad_shard_size": 4, "optimizer_shard_size": 8, "param_replicas": 2,
                                 "grad_replicas": 2, "optimizer_replicas": 1, "auto_reason": None,
-                                "async_comm": True, "prefetch_depth": 2}
-    assert "background threads (prefetch depth 2)" in text
+                                "async_comm": True, "prefetch_depth": 2, "quantized_weights": False,
+                                "quantized_gradients": False, "quantize_cross_node": False,
+                                "gradient_quantization_bits": 8, "quantization_block_size": 512,
+                                "error_feedback": False, "quantization": "no quantized communication"}
+    assert "background threads (prefetch depth 2)" in text and "quantized" not in text
     json.dumps(layout.as_dict())
     inner = resolve_layout(make({"param_shard_size": 2, "grad_shard_size": 4, "optimizer_shard_size": 4}), 8, 4)
     assert "d_o=4 (2 replicas)" in inner.describe()

@@ -204,16 +204,36 @@ def test_zeropp_crosses_nodes_a_quarter_of_zero3_per_micro_step():
     assert 1 / 12 < ratio8 < ratio
 
 
-def test_quantized_asynchzp_shrinks_only_the_micro_step_traffic():
+def test_quantized_asynchzp_shrinks_only_the_cross_node_traffic():
+    # asynchzp-q is the engine's quantize_cross_node: the once-per-step gradient exchange and parameter refresh
+    # cross nodes as INT8 blocks (1 byte a value plus a 4-byte scale per 512 values) instead of bf16; every
+    # intra-node flow is unchanged.
     plan = _plan()
-    arms, padded, gas, g = plan["arms"], 70 * 10**9, 8, 16
+    arms = plan["arms"]
     assert (plan["layout"]["d_p"], plan["layout"]["d_g"]) == (16, 16)
     plain, quantized = arms["asynchzp"]["bytes_per_step"], arms["asynchzp-q"]["bytes_per_step"]
-    assert quantized["inter_node"] == pytest.approx(plain["inter_node"])
-    saved = gas * ((2 * 2 + 2) - (2 * planner.INT8_BYTES + planner.INT4_BYTES)) * padded * (g - 1) / g
-    assert plain["intra_node"] - quantized["intra_node"] == pytest.approx(saved)
-    for flow in ("boundary_grad", "boundary_allreduce", "param_refresh"):
+    assert quantized["intra_node"] == pytest.approx(plain["intra_node"])
+    per_value = (1 + 4 / 512) / 2
+    for flow in ("boundary_grad", "param_refresh"):
+        assert quantized["by_flow"][flow]["inter_node"] == pytest.approx(plain["by_flow"][flow]["inter_node"] * per_value)
+        assert plain["by_flow"][flow]["inter_node"] > 0
+    for flow in ("param_gather", "grad_reduce_scatter"):
         assert quantized["by_flow"][flow] == plain["by_flow"][flow]
+    assert quantized["inter_node"] == pytest.approx(plain["inter_node"] * per_value)
+
+
+def test_quantized_flows_follow_the_engine_plan():
+    # quantize_cross_node leaves flows inside a node alone; quantized_gradients quantizes them everywhere.
+    t = planner.traffic_inputs(10**6, 8, 4, 2, "bf16")
+    cross = planner.arm_quantization("asynchzp-q", 8, 4, 2, 2, 4)       # d_o = 4 = node: boundary inside a node
+    assert cross.boundary_grad is None and cross.param_refresh is None and cross.boundary_allreduce is not None
+    every = planner.arm_quantization("asynchzp-qg", 8, 4, 2, 2, 4, {"gradient_quantization_bits": 4})
+    assert every.grad_reduce_scatter.bits == every.boundary_grad.bits == every.boundary_allreduce.bits == 4
+    plain = traffic.asynchzp_bytes(t, 2, 2, 4)["by_flow"]
+    quant = traffic.asynchzp_bytes(t, 2, 2, 4, every)["by_flow"]
+    assert quant["grad_reduce_scatter"]["intra_node"] == pytest.approx(
+        plain["grad_reduce_scatter"]["intra_node"] * (0.5 + 4 / 512) / 2)
+    assert quant["param_gather"] == plain["param_gather"]
 
 
 def test_arms_reuse_the_traffic_module():

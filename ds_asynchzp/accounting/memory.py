@@ -15,9 +15,10 @@ from ..runtime.deepspeed_internals import stage3_model_state_tensors
 def model_state_bytes(engine) -> dict:
     """Bytes per role and their total, for this rank.
 
-    Roles: `param_shard`, `grad_shard` (AsyncHZP's buffers); `param_primary`, `param_secondary`,
-    `grad_primary` (DeepSpeed's own partitions, where they are not views into ours); `master`,
-    `optimizer_state` (fp32 master weights and optimizer moments).
+    Roles: `param_shard`, `grad_shard` (AsyncHZP's buffers); `error_feedback` (the quantized gradient exchange's
+    residual, only with `error_feedback`); `param_primary`, `param_secondary`, `grad_primary` (DeepSpeed's own
+    partitions, where they are not views into ours); `master`, `optimizer_state` (fp32 master weights and
+    optimizer moments).
     """
     optimizer = engine.optimizer
     tensors = {}
@@ -26,6 +27,9 @@ def model_state_bytes(engine) -> dict:
     if params is not None:
         tensors["param_shard"] = [buffer.data for buffer in params.buffers]
         tensors["grad_shard"] = [grads.buffer.data] if grads is not None else []
+        feedback = getattr(optimizer, "hzp_error_feedback", None)
+        if feedback is not None:
+            tensors["error_feedback"] = [feedback.residual]
     tensors.update(stage3_model_state_tensors(optimizer, engine.module))
     seen, out = set(), {}
     for role, role_tensors in tensors.items():

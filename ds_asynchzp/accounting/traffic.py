@@ -27,6 +27,10 @@ AsyncHZP, one figure per flow (`asynchzp_flows`); no point-to-point permutation 
     boundary_allreduce    2 * b_c * P_t/d_o * (R_o-1)/R_o        {h*d_o + q : h}, once per step (0 if d_o = N)
     param_refresh         b * P_t/d_p * (T_p-1)/T_p              {h*d_o + t*d_p + j : t}, once per step
     persistent_regather   b * P_persist * (d_p-1)/d_p            d_p consecutive ranks, once per step
+Quantized flows (`ds_asynchzp.quantization.QuantizationPlan`) use the same formulas with the element bytes of
+their wire format, q = bits/8 + 4/block (values plus one fp32 scale per block) instead of b or b_c: a quantized
+gradient reduction is a pairwise exchange of quantized rows ((n-1)/n * S, like a reduce-scatter), a quantized
+all-reduce a quantized exchange plus a quantized all-gather (2(n-1)/n * S, like an all-reduce).
 Each flow's bytes count as inter-node for the ranks whose group spans nodes (for every valid layout either all
 groups of a kind span nodes or none do, except optimizer groups not aligned with nodes, where the split is the
 exact share of ranks). Each arm also all-reduces a few scalars per step (gradient norm, overflow flag); they
@@ -41,6 +45,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..layout import HierarchicalLayout
+from ..quantization import NO_QUANTIZATION, QuantizationPlan
 
 
 @dataclass(frozen=True)
@@ -109,24 +114,31 @@ def _inter_share(flow: str, n: int, g: int, d_p: int, d_g: int, d_o: int) -> flo
 
 
 def asynchzp_flows(t: TrafficInputs, param_shard_size: int, grad_shard_size: int,
-                   optimizer_shard_size: int | None = None) -> dict:
+                   optimizer_shard_size: int | None = None,
+                   quantization: QuantizationPlan = NO_QUANTIZATION) -> dict:
     """Ring-model bytes per rank per optimizer step of each AsyncHZP flow (module docstring), split into
     ``{"intra_node", "inter_node"}`` by whether the flow's group spans nodes (averaged over ranks).
 
     ``optimizer_shard_size`` defaults to the world. Element counts of ``t`` must be padded per parameter to a
-    multiple of ``d_o`` (DeepSpeed's partition group)."""
+    multiple of ``d_o`` (DeepSpeed's partition group). ``quantization`` gives the wire format of quantized
+    flows (the engine's plan for this layout)."""
     n, g, a = t.world, t.node_size, t.grad_accum
     d_p, d_g = param_shard_size, grad_shard_size
     d_o = n if optimizer_shard_size is None else optimizer_shard_size
     _check_layout(n, g, d_p, d_g, d_o)
     t_p, t_g, r_o = d_o // d_p, d_o // d_g, n // d_o
     b, b_c, p_t = t.param_bytes, t.grad_comm_bytes, t.trainable_elements
+
+    def element_bytes(flow: str, plain: float) -> float:
+        fmt = quantization.format_of(flow)
+        return plain if fmt is None else fmt.bytes_per_value()
+
     bytes_ = {
-        "param_gather": a * 2 * b * t.gathered_elements * _ring(d_p),
-        "grad_reduce_scatter": a * b_c * t.reduced_elements * _ring(d_g),
-        "boundary_grad": b_c * p_t / d_g * _ring(t_g),
-        "boundary_allreduce": 2 * b_c * p_t / d_o * _ring(r_o),
-        "param_refresh": b * p_t / d_p * _ring(t_p),
+        "param_gather": a * 2 * element_bytes("param_gather", b) * t.gathered_elements * _ring(d_p),
+        "grad_reduce_scatter": a * element_bytes("grad_reduce_scatter", b_c) * t.reduced_elements * _ring(d_g),
+        "boundary_grad": element_bytes("boundary_grad", b_c) * p_t / d_g * _ring(t_g),
+        "boundary_allreduce": 2 * element_bytes("boundary_allreduce", b_c) * p_t / d_o * _ring(r_o),
+        "param_refresh": element_bytes("param_refresh", b) * p_t / d_p * _ring(t_p),
         "persistent_regather": b * t.persistent_elements * _ring(d_p),
     }
     out = {}
@@ -137,10 +149,11 @@ def asynchzp_flows(t: TrafficInputs, param_shard_size: int, grad_shard_size: int
 
 
 def asynchzp_bytes(t: TrafficInputs, param_shard_size: int, grad_shard_size: int,
-                   optimizer_shard_size: int | None = None) -> dict:
+                   optimizer_shard_size: int | None = None,
+                   quantization: QuantizationPlan = NO_QUANTIZATION) -> dict:
     """``{"intra_node", "inter_node", "by_flow"}``: the AsyncHZP totals per rank per optimizer step, and
     ``by_flow[name] = {"intra_node", "inter_node"}`` for each of :data:`FLOWS` (see :func:`asynchzp_flows`)."""
-    flows = asynchzp_flows(t, param_shard_size, grad_shard_size, optimizer_shard_size)
+    flows = asynchzp_flows(t, param_shard_size, grad_shard_size, optimizer_shard_size, quantization)
     return {"intra_node": sum(f["intra_node"] for f in flows.values()),
             "inter_node": sum(f["inter_node"] for f in flows.values()),
             "by_flow": flows}
@@ -173,11 +186,12 @@ def _remote_members(groups: list[list[int]], g: int) -> float:
 
 
 def link_bytes(arm: str, t: TrafficInputs, param_shard_size: int = None, grad_shard_size: int = None,
-               optimizer_shard_size: int = None) -> float:
+               optimizer_shard_size: int = None, quantization: QuantizationPlan = NO_QUANTIZATION) -> float:
     """Bytes per rank per optimizer step over node links (payload only; see module notes).
 
     For ``arm`` ``"asynchzp"`` (or any name starting with it) the sizes are the layout's (``d_o`` defaults to
-    the world, ``d_g`` to ``d_p``, ``d_p`` to the node size)."""
+    the world, ``d_g`` to ``d_p``, ``d_p`` to the node size). A quantized gradient flow is a pairwise exchange
+    (a quantized all-reduce: a pairwise exchange, then a ring all-gather)."""
     n, g, a = t.world, t.node_size, t.grad_accum
     nodes = n // g
     rs = GLOO_REDUCE_SCATTER_PASSES
@@ -191,17 +205,30 @@ def link_bytes(arm: str, t: TrafficInputs, param_shard_size: int = None, grad_sh
     d_p = g if param_shard_size is None else param_shard_size
     d_g = d_p if grad_shard_size is None else grad_shard_size
     d_o = n if optimizer_shard_size is None else optimizer_shard_size
-    flows = asynchzp_flows(t, d_p, d_g, d_o)
+    flows = asynchzp_flows(t, d_p, d_g, d_o, quantization)
+    members = {"grad_reduce_scatter": d_g, "boundary_grad": d_o // d_g, "boundary_allreduce": n // d_o}
+    # Pairwise exchanges: the full flow for the boundary gradient and quantized reductions; half of a quantized
+    # all-reduce (its other half, the all-gather, is a ring pass).
+    pairwise = {"boundary_grad": 1.0}
+    if quantization.grad_reduce_scatter is not None:
+        pairwise["grad_reduce_scatter"] = 1.0
+    if quantization.boundary_allreduce is not None:
+        pairwise["boundary_allreduce"] = 0.5
     passes = {"param_gather": 1, "persistent_regather": 1, "grad_reduce_scatter": rs,
               "boundary_allreduce": 1,  # all-reduce: its 2 passes are already in the flow's bytes
               "param_refresh": 1}
     total = 0.0
     for name, p in passes.items():
-        if flows[name]["inter_node"]:  # else every group sits inside one node: no link edge
-            total += sum(flows[name].values()) * p * _ring_link_share(flow_groups(name, n, d_p, d_g, d_o), g)
-    # The pairwise exchange sends S/T_g to each other member; (T_g-1)/T_g * S is the flow's bytes.
-    t_g = d_o // d_g
-    if t_g > 1:
-        per_member = sum(flows["boundary_grad"].values()) / (t_g - 1)
-        total += per_member * _remote_members(flow_groups("boundary_grad", n, d_p, d_g, d_o), g)
+        ring_share = 1.0 - pairwise.get(name, 0.0)
+        if name == "grad_reduce_scatter" and name in pairwise:
+            p = 1
+        if flows[name]["inter_node"] and ring_share:  # else every group sits inside one node: no link edge
+            total += (sum(flows[name].values()) * ring_share * p
+                      * _ring_link_share(flow_groups(name, n, d_p, d_g, d_o), g))
+    # A pairwise exchange over k members sends S/k to each other member; (k-1)/k * S is the flow's bytes.
+    for name, share in pairwise.items():
+        k = members[name]
+        if k > 1 and flows[name]["inter_node"]:
+            per_member = sum(flows[name].values()) * share / (k - 1)
+            total += per_member * _remote_members(flow_groups(name, n, d_p, d_g, d_o), g)
     return total

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..planner import QUANTIZED_ARMS
 from .aggregate import aggregate_arm, merge_repeats
 from .model import MODEL_PRESETS
 from .progress import StepProgress
@@ -33,16 +34,25 @@ WORKER_TARGET = "ds_asynchzp.bench.worker:run_arm"
 ARMS = {
     "zero3": ("stock DeepSpeed ZeRO-3", "DeepSpeedZeroOptimizer_Stage3"),
     "hpz": ("stock ZeRO++ hpZ (secondary parameter partition inside a node)", "DeepSpeedZeroOptimizer_Stage3"),
+    "zeropp": ("stock ZeRO++: hpZ + qwZ (INT8 weight gathers) + qgZ (INT4 gradient all-to-all)",
+               "DeepSpeedZeroOptimizer_Stage3"),
     "asynchzp": ("AsyncHZP (params+grads inside a node, optimizer states over the world)",
                  "HierarchicalZeroOptimizer"),
     "asynchzp-sync": ("AsyncHZP placement, communication synchronous on the training thread (A/B of the scheduling)",
                       "HierarchicalZeroOptimizer"),
+    "asynchzp-q": ("AsyncHZP, cross-node gradient exchange and parameter refresh quantized (quantize_cross_node)",
+                   "HierarchicalZeroOptimizer"),
+    "asynchzp-qw": ("AsyncHZP, INT8 parameter gathers inside the node (quantized_weights)",
+                    "HierarchicalZeroOptimizer"),
+    "asynchzp-qg": ("AsyncHZP, every gradient reduction a quantized all-to-all (quantized_gradients)",
+                    "HierarchicalZeroOptimizer"),
 }
 DEFAULT_ARMS = "zero3,hpz,asynchzp"
 # Arms built on the ds_config's "async_hzp" section: only these take `BASE:key=value` overrides of that section.
-OVERRIDABLE_ARMS = ("asynchzp", "asynchzp-sync")
-# Section keys each of those arms fixes: the two arms differ in this alone, so an A/B of them isolates the scheduling.
-ARM_SECTION_KEYS = {"asynchzp": {}, "asynchzp-sync": {"async_comm": False}}
+OVERRIDABLE_ARMS = ("asynchzp", "asynchzp-sync", *QUANTIZED_ARMS)
+# Section keys each of those arms fixes: asynchzp and asynchzp-sync differ in async_comm alone, so an A/B of them
+# isolates the scheduling; each quantized arm differs from asynchzp in its quantization key alone.
+ARM_SECTION_KEYS = {"asynchzp": {}, "asynchzp-sync": {"async_comm": False}, **QUANTIZED_ARMS}
 # Section keys an arm spec may not set, and why: "enabled": false would train stock ZeRO-3 under an AsyncHZP name;
 # "async_comm" is what the arm's name says, so flipping it would mislabel every figure of the arm.
 FORBIDDEN_OVERRIDE_KEYS = {
@@ -269,6 +279,10 @@ def parse_arm_spec(spec: str) -> ArmSpec:
             hint = _async_comm_hint(base, raw, parts) if key == "async_comm" else FORBIDDEN_OVERRIDE_KEYS[key]
             raise ArmSpecError(f"arm spec {name!r}: key {key!r} cannot be overridden: {hint}; "
                                f"valid keys: {', '.join(valid)}")
+        if key in QUANTIZED_ARMS.get(base, {}):
+            raise ArmSpecError(f"arm spec {name!r}: key {key!r} cannot be overridden: the {base} arm is defined by "
+                               f"{key}={str(QUANTIZED_ARMS[base][key]).lower()}; run the asynchzp arm with other "
+                               "quantization keys instead")
         if key not in valid:
             raise ArmSpecError(f"arm spec {name!r}: unknown key {key!r}; valid keys: {', '.join(valid)}")
         if key in overrides:
@@ -365,9 +379,27 @@ def arm_overrides(arm: str, args: argparse.Namespace) -> dict:
     spec = _spec(arm, args)
     if spec.base == "hpz":
         return {"zero_optimization.zero_hpz_partition_size": args.node_size}
+    if spec.base == "zeropp":
+        return {f"zero_optimization.{k}": v for k, v in _zeropp_keys(args).items()}
     if spec.base in OVERRIDABLE_ARMS:
         return {"async_hzp": _async_hzp_section(spec, args)}
     return {}
+
+
+def _zeropp_keys(args: argparse.Namespace) -> dict:
+    """ZeRO++ as its tutorial configures it: hpZ over the node, qwZ and qgZ."""
+    return {"zero_hpz_partition_size": args.node_size, "zero_quantized_weights": True,
+            "zero_quantized_gradients": True}
+
+
+def arm_unavailable(arm: str) -> str | None:
+    """Why an arm cannot run on this benchmark's ranks, or None. The ranks are CPU processes (gloo,
+    DS_ACCELERATOR=cpu); stock ZeRO++'s weight and gradient quantizers exist only as CUDA kernels."""
+    if parse_arm_spec(arm).base == "zeropp":
+        return ("stock ZeRO++ quantization (qwZ, qgZ) has CUDA kernels only: on CPU ranks DeepSpeed's "
+                "CUDAQuantizer fails at initialization ('This op had not been implemented on CPU backend'); "
+                "asynchzp-bench runs CPU ranks. The AsyncHZP quantized arms (asynchzp-q, -qw, -qg) run here")
+    return None
 
 
 def _async_hzp_section(spec: ArmSpec, args: argparse.Namespace) -> dict:
@@ -382,6 +414,8 @@ def ds_config_for(arm: str, args: argparse.Namespace) -> dict:
     zero = dict(ZERO3_KNOBS)
     if spec.base == "hpz":
         zero["zero_hpz_partition_size"] = args.node_size
+    if spec.base == "zeropp":
+        zero.update(_zeropp_keys(args))
     config = {
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_accumulation_steps": args.grad_accum,
@@ -529,6 +563,13 @@ def _run_arms(args: argparse.Namespace, results: dict, cluster=None) -> None:
     for repeat in range(args.repeats):
         for arm in args.arms:
             index += 1
+            unavailable = arm_unavailable(arm)
+            if unavailable is not None:
+                if repeat == 0:
+                    print(f"[{index}/{total}] {arm}: unavailable: {unavailable}", flush=True)
+                    results.setdefault("unavailable_arms", {})[arm] = unavailable
+                    write_json_atomically(out / "results.json", results)
+                continue
             label = f"[{index}/{total}] {arm}" + (f" (repeat {repeat + 1})" if args.repeats > 1 else "")
             logs = _log_dir_name(arm)
             workdir = out / "logs" / (logs if args.repeats == 1 else f"{logs}-{repeat + 1}")
@@ -585,6 +626,9 @@ def main(argv: list[str] | None = None) -> int:
     except (RankFailure, TimeoutError) as exc:
         print(f"asynchzp-bench: an arm failed; results of finished arms are in {Path(args.out) / 'results.json'}\n"
               f"{exc}", file=sys.stderr, flush=True)
+        return 1
+    if not results["arms"]:
+        print("asynchzp-bench: no arm could run here (see the reasons above)", file=sys.stderr, flush=True)
         return 1
     table = format_table(results)
     out = Path(args.out)

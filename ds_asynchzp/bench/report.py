@@ -498,7 +498,9 @@ def write_report(results: dict, out_dir: Path) -> Path:
     timeline_notes = plot_timelines(arms, out_dir / "timeline.png")
     title = (f"# asynchzp-bench A/B report: {', '.join(arms)} on `{config.get('model', NA)}`, "
              f"{config.get('world_size') or config.get('nproc', NA)} CPU ranks")
-    lines = [title, "", *_provenance(env, config), *_workload(results), *_results_table(arms, stats, config),
+    unavailable = [f"- **{arm}** was not run: {why}." for arm, why in (results.get("unavailable_arms") or {}).items()]
+    lines = [title, "", *_provenance(env, config), *_workload(results), *(unavailable + [""] if unavailable else []),
+             *_results_table(arms, stats, config),
              *_bytes_table(arms), *_parity(arms), *_layout(arms), *_memory(arms), "## Plots", "",
              "![loss per optimizer step and relative difference vs zero3](loss.png)", "",
              "![bytes per optimizer step by collective kind](bytes.png)", "",

@@ -130,5 +130,7 @@ def format_table(results: dict) -> str:
         "in flight, on any thread; both per step the largest over ranks, median over steady steps. Communication "
         "hidden behind compute shows as busy >> exposed."
     )
-    return "\n".join([*_markdown(rows), "", legend, "", "Layout and model-state memory per role (rank 0):", "",
+    unavailable = [f"- {arm}: not run: {why}" for arm, why in (results.get("unavailable_arms") or {}).items()]
+    return "\n".join([*_markdown(rows), "", legend, *([""] + unavailable if unavailable else []), "",
+                      "Layout and model-state memory per role (rank 0):", "",
                       format_layout_memory_table(results), "", LAYOUT_LEGEND])

@@ -1,25 +1,30 @@
 """Per micro-step: reduce each gradient bucket inside the d_g grad shard group.
 
 Replaces Stage 3's bucket reduce-scatter over the whole world. On the training thread, the bucket's gradients
-are packed, in one pass per gradient (copy, cast to the communication dtype), into a staging slot laid out as
-[d_g, width], in which member i's row holds atoms {i + t*d_g} of every gradient; the zero padding of the last
-atom is written in the same pass. Dividing by the data-parallel world before the sum, as stock ZeRO-3 does,
-keeps both summing the same values. The gradients are then free to go: the reduction reads only the slot.
+are packed into a staging slot laid out as [d_g, width], in which member i's row holds atoms {i + t*d_g} of
+every gradient, zero-padded past each gradient's end: one pass of the `bucket_add` op over all of them, which
+also casts to the communication dtype and divides by the data-parallel world (as stock ZeRO-3 divides before
+the sum, so both sum the same values). The gradients are then free to go: the reduction reads only the slot.
 
-The reduce-scatter and the addition of this rank's atoms into the gradient shard run as one job of the
-`reduce` thread. Whoever reads the gradient shard first waits for every such job (`drain`).
+The reduction and the addition of this rank's atoms into the gradient shard run as one job of the `reduce`
+thread: a reduce-scatter (or, with `reduce_scatter: false`, an all-reduce, as stock), or with quantized
+gradients a quantized pairwise exchange summed in fp32 (`comm.quantized`). Whoever reads the gradient shard
+first waits for every such job (`drain`).
 """
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
+from .. import ops
 from ..accounting import ledger
+from ..quantization import QuantFormat
 from ..runtime.process_groups import Group
 from ..state.buffer_pool import StagingRing
 from ..state.grad_shards import GradShards
+from . import quantized
 from .collectives import all_reduce, reduce_scatter, scratch
 
 
@@ -49,12 +54,37 @@ def pack_transposed(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst[full_rows + 1:].zero_()
 
 
+def fill_bucket(send: torch.Tensor, grads: Sequence[torch.Tensor], atoms: Sequence[int], rows: int,
+                world: int) -> None:
+    """send [d, width] = the gradients in member order, padded, cast to send's dtype, divided by `world`.
+
+    One pass of the `bucket_add` op where it applies (fp32 / bf16). Multiplying by 1/world equals dividing
+    only for a power of two, so other worlds divide in a second pass, as stock does; fp16 (which the op does
+    not take) packs with `pack_transposed`."""
+    d = send.shape[0]
+    power_of_two = world & (world - 1) == 0
+    if send.dtype in ops.FLOAT_DTYPES and all(g.dtype in ops.FLOAT_DTYPES for g in grads):
+        ops.bucket_add(send.view(-1), grads, atoms, d, rows, scale=1.0 / world if power_of_two else 1.0)
+        if not power_of_two:
+            send.div_(world)
+        return
+    offset = 0
+    for grad, atom in zip(grads, atoms):
+        size = rows * atom
+        # The [d, T, atom] region seen as [T, d, atom]: row t, member i <- atom t*d + i.
+        pack_transposed(send[:, offset:offset + size].view(d, rows, -1).transpose(0, 1), grad)
+        offset += size
+    send.div_(world)
+
+
 class GradReduce:
-    def __init__(self, grads: GradShards, group: Group, world: int, use_reduce_scatter: bool, runner):
+    def __init__(self, grads: GradShards, group: Group, world: int, use_reduce_scatter: bool, runner,
+                 quantize: Optional[QuantFormat] = None):
         self.grads = grads
         self.group = group
         self.world = world
         self.use_reduce_scatter = use_reduce_scatter
+        self.quantize = quantize     # wire format of the quantized exchange, or None for full precision
         self.runner = runner
         # Four buckets in flight let one micro-step's reductions run on into the next forward.
         self.staging = StagingRing(slots=4)
@@ -71,19 +101,17 @@ class GradReduce:
         device = params[0].grad.device
         index, send = self.staging.acquire(d_g * width, comm_dtype, device)
         send = send.view(d_g, width)
-        offset = 0
-        for param, size in zip(params, sizes):
-            # The [d_g, T_g, atom] region seen as [T_g, d_g, atom]: row t, member i <- atom t*d_g + i.
-            region = send[:, offset:offset + size].view(d_g, rows, -1).transpose(0, 1)
-            pack_transposed(region, param.grad)
-            offset += size
-        send.div_(self.world)
+        fill_bucket(send, [p.grad for p in params], [buffer.columns[p.ds_id].atom for p in params], rows,
+                    self.world)
         targets = [buffer.atoms(p) for p in params]
         self.grads.begin_accumulate(params)
 
         def job() -> None:
             with ledger.tagged("asynchzp.grad_reduce_scatter"):
-                if self.use_reduce_scatter:
+                if self.quantize is not None:
+                    mine = scratch(self.scratch, "recv_fp32", width, torch.float32, send.device)
+                    quantized.reduce_scatter(mine, send, self.group, self.quantize, self.scratch, segments=sizes)
+                elif self.use_reduce_scatter:
                     mine = scratch(self.scratch, "recv", width, comm_dtype, send.device)
                     reduce_scatter(mine, send.view(-1), self.group).wait()
                 else:

@@ -24,11 +24,14 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .. import ops
 from ..accounting import ledger
+from ..quantization import QuantFormat
 from ..runtime.deepspeed_internals import mark_available, mark_inflight
 from ..runtime.process_groups import Group
 from ..state.buffer_pool import BufferPool
 from ..state.param_shards import ParamShards
+from . import quantized
 from .collectives import all_gather, scratch
 
 Key = Tuple[int, ...]
@@ -60,8 +63,11 @@ class GatherHandle:
 
 class ParamGather:
     def __init__(self, shards: ParamShards, group: Group, runner, pool: BufferPool, refresh_waits,
-                 prefetch_depth: int):
+                 prefetch_depth: int, quantize: Optional[QuantFormat] = None):
         self.shards, self.group, self.runner, self.pool = shards, group, runner, pool
+        # Wire format of the coordinator's gathers with quantized_weights, else None. Gathers that must be exact
+        # (persistent parameters, GatheredParameters, inspection) never quantize.
+        self.quantize = quantize
         self.refresh_waits = refresh_waits         # params -> refresh jobs that must finish before a read
         self.prefetch_depth = prefetch_depth if runner.is_async else 0
         self.leases: Dict[int, torch.Tensor] = {}  # ds_id -> pool buffer its published full value lives in
@@ -74,7 +80,7 @@ class ParamGather:
         self.stats = {"requests": 0, "prefetched": 0, "departures": 0}
 
     # ------------------------------------------------------------------------------ the gather job
-    def _submit(self, params: Sequence[torch.nn.Parameter], tag: str):
+    def _submit(self, params: Sequence[torch.nn.Parameter], tag: str, quantize: bool = False):
         params = sorted(params, key=lambda p: p.ds_id)     # the concatenation order is part of the contract
         by_dtype: Dict[torch.dtype, List[torch.nn.Parameter]] = {}
         for param in params:
@@ -97,33 +103,33 @@ class ParamGather:
                 refresh.wait()
             with ledger.tagged(tag):
                 for members in groups:
-                    self._gather(members, slots)
+                    self._gather(members, slots, self.quantize if quantize else None)
             return slots
 
         return self.runner.submit(job, "parameter all-gather", self.group.name)
 
-    def _gather(self, params: List[torch.nn.Parameter], slots: Dict[int, torch.Tensor]) -> None:
+    def _gather(self, params: List[torch.nn.Parameter], slots: Dict[int, torch.Tensor],
+                fmt: Optional[QuantFormat]) -> None:
         shards, rows, d_p = self.shards, self.shards.rows, self.group.size
-        sizes = [rows * shards.buffer_of(p).columns[p.ds_id].atom for p in params]
-        width = sum(sizes)
+        atoms = [shards.buffer_of(p).columns[p.ds_id].atom for p in params]
+        width = rows * sum(atoms)
         data = shards.buffer_of(params[0]).data
-        send = scratch(self.scratch, "send", width, data.dtype, data.device)
-        offset = 0
-        for param, size in zip(params, sizes):
-            send[offset:offset + size].view(rows, -1).copy_(shards.buffer_of(param).atoms(param))
-            offset += size
+        # One pass each way: the shard rows of every parameter into the send buffer, and the gathered
+        # [d_p, width] block into each parameter's pool buffer in atom order (the local transpose).
+        send = ops.pack([shards.buffer_of(p).atoms(p) for p in params],
+                        out=scratch(self.scratch, "send", width, data.dtype, data.device))
         recv = scratch(self.scratch, "recv", d_p * width, data.dtype, data.device)
-        all_gather(recv, send, self.group).wait()
-        gathered = recv.view(d_p, width)
-        offset = 0
-        for param, size in zip(params, sizes):
-            block = gathered[:, offset:offset + size].view(d_p, rows, -1)
-            offset += size
-            slots[param.ds_id].view(rows, d_p, -1).copy_(block.transpose(0, 1))
+        if fmt is not None:
+            quantized.all_gather(recv, send, self.group, fmt, self.scratch, segments=[rows * a for a in atoms])
+        else:
+            all_gather(recv, send, self.group).wait()
+        ops.unpack_gathered(recv, [slots[p.ds_id] for p in params], atoms, d_p, rows)
 
     # --------------------------------------------------------------------- the coordinator's entry points
+    FETCH_TAG = "asynchzp.param_gather"   # the coordinator's fetches (and their prefetch): the quantized ones
+
     def all_gather_coalesced(self, params, safe_mode: bool = False, quantize: bool = False,
-                             tag: str = "asynchzp.param_gather") -> GatherHandle:
+                             tag: str = FETCH_TAG) -> GatherHandle:
         """Drop-in for DeepSpeed's per-parameter `all_gather_coalesced` (same arguments, same handle protocol)."""
         params = list(params)
         mark_inflight(params)
@@ -134,7 +140,7 @@ class ParamGather:
             self.stats["prefetched"] += 1
             handle.params = params
         else:
-            handle = GatherHandle(self, params, self._submit(params, tag))
+            handle = GatherHandle(self, params, self._submit(params, tag, quantize=tag == self.FETCH_TAG))
         self._follow(key, params)
         return handle
 
@@ -199,5 +205,5 @@ class ParamGather:
             return
         for ahead_key, ahead_params in self._replay[self._position:self._position + self.prefetch_depth]:
             if ahead_key not in self._prefetched:
-                self._prefetched[ahead_key] = GatherHandle(self, ahead_params,
-                                                           self._submit(ahead_params, "asynchzp.param_gather"))
+                self._prefetched[ahead_key] = GatherHandle(
+                    self, ahead_params, self._submit(ahead_params, self.FETCH_TAG, quantize=True))

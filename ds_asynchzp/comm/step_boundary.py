@@ -18,6 +18,12 @@ the transient memory is one bucket and the cross-node hop overlaps compute:
 
 Every rank submits the same chunks in the same order: a chunk's readiness depends only on which buckets were
 submitted, never on when a reduction finished.
+
+Quantized (`ds_asynchzp.quantization`: `quantize_cross_node`, `quantized_gradients`): the gradient exchange
+sends each row block-quantized and sums the dequantized rows in fp32 (optionally with error feedback: each
+rank adds to every row it sends what the quantization dropped from that row the step before); the replica
+all-reduce runs as a quantized reduce-scatter plus all-gather; the refresh sends the updated own atoms in INT8
+and writes the dequantized values into the other rows (the own row stays exact).
 """
 
 from __future__ import annotations
@@ -28,20 +34,25 @@ from typing import Dict, Iterable, List, Optional
 import torch
 
 from ..accounting import ledger
+from ..quantization import NO_QUANTIZATION, QuantizationPlan
 from ..runtime.process_groups import ProcessGroups
+from ..state.error_feedback import ErrorFeedback
 from ..state.grad_shards import GradShards, Window
 from ..state.sharded_buffer import ShardedBuffer
+from . import quantized
 from .collectives import all_gather, all_reduce, all_to_all, backend_reduce_scatter_is_optimal, reduce_scatter, scratch
 
 
 class _Chunks:
-    """The column chunks of one buffer, and which chunks a parameter's columns fall in."""
+    """The column chunks of one buffer, which chunks a parameter's columns fall in, and how each chunk is cut
+    into parameters (the segments a quantized flow restarts its blocks at)."""
 
     def __init__(self, buffer: ShardedBuffer, bucket_elements: int):
         self.ranges = list(buffer.column_chunks(bucket_elements))
         self.starts = [start for start, _ in self.ranges]
         self.of_param: Dict[int, List[int]] = {}
         self.members: List[set] = [set() for _ in self.ranges]
+        self.segments: List[List[int]] = [[] for _ in self.ranges]
         for param in buffer.params:
             c = buffer.columns[param.ds_id]
             if c.atom == 0:
@@ -51,14 +62,20 @@ class _Chunks:
             self.of_param[param.ds_id] = list(range(first, last + 1))
             for index in range(first, last + 1):
                 self.members[index].add(param.ds_id)
+                start, end = self.ranges[index]
+                self.segments[index].append(min(end, c.offset + c.atom) - max(start, c.offset))
 
 
 class StepBoundary:
-    def __init__(self, groups: ProcessGroups, bucket_elements: int, runner):
+    def __init__(self, groups: ProcessGroups, bucket_elements: int, runner,
+                 quantization: QuantizationPlan = NO_QUANTIZATION, error_feedback: Optional[ErrorFeedback] = None):
         self.groups = groups
         self.bucket_elements = max(1, int(bucket_elements))
         self.pairwise = not backend_reduce_scatter_is_optimal(groups.grad_boundary)
         self.runner = runner
+        self.quantization = quantization
+        # With error feedback: what the quantization dropped from each gradient row sent (saved in checkpoints).
+        self.error_feedback = error_feedback
         self.scratch = {}                 # used only inside boundary jobs
         self._grad_chunks: Optional[_Chunks] = None
         self._grad_jobs: Dict[int, object] = {}       # chunk index -> job, this window
@@ -120,25 +137,34 @@ class StepBoundary:
 
     def _submit_grad_chunk(self, grads: GradShards, index: int, comm_dtype: torch.dtype) -> None:
         start, end = self._grad_chunks.ranges[index]
+        segments = self._grad_chunks.segments[index]
         dependencies = list(self._bucket_jobs[index])
 
         def job() -> None:
             for reduction in dependencies:
                 reduction.wait()
-            self._reduce_chunk(grads.buffer, start, end, comm_dtype)
+            self._reduce_chunk(grads.buffer, start, end, comm_dtype, segments)
 
         self._grad_jobs[index] = self.runner.submit(job, "cross-node gradient reduction",
                                                     self.groups.grad_boundary.name)
 
-    def _reduce_chunk(self, buffer: ShardedBuffer, start: int, end: int, comm_dtype: torch.dtype) -> None:
+    def _reduce_chunk(self, buffer: ShardedBuffer, start: int, end: int, comm_dtype: torch.dtype,
+                      segments: List[int]) -> None:
         boundary, outer = self.groups.grad_boundary, self.groups.outer_replica
         rows, device, cols = buffer.rows, buffer.data.device, end - start
         own = buffer.data[buffer.own_row, start:end]
+        plan = self.quantization
         if rows > 1:
             send = scratch(self.scratch, "grad_send", rows * cols, comm_dtype, device).view(rows, cols)
             send.copy_(buffer.data[:, start:end])
             with ledger.tagged("asynchzp.boundary_grad"):
-                if self.pairwise:
+                if plan.boundary_grad is not None:
+                    total = scratch(self.scratch, "grad_sum", cols, torch.float32, device)
+                    residual = (self.error_feedback.columns(start, end) if self.error_feedback is not None
+                                else None)
+                    quantized.reduce_scatter(total, send, boundary, plan.boundary_grad, self.scratch, residual,
+                                             segments)
+                elif self.pairwise:
                     recv = scratch(self.scratch, "grad_recv", rows * cols, comm_dtype, device).view(rows, cols)
                     all_to_all(recv.view(-1), send.view(-1), boundary).wait()
                     total = scratch(self.scratch, "grad_sum", cols, torch.float32, device)
@@ -151,7 +177,9 @@ class StepBoundary:
             own.copy_(total)
         if outer.size > 1:
             with ledger.tagged("asynchzp.boundary_allreduce"):
-                if own.dtype == comm_dtype:
+                if plan.boundary_allreduce is not None:
+                    quantized.all_reduce(own, outer, plan.boundary_allreduce, self.scratch)
+                elif own.dtype == comm_dtype:
                     all_reduce(own, outer).wait()
                 else:
                     staged = scratch(self.scratch, "grad_outer", cols, comm_dtype, device)
@@ -160,25 +188,30 @@ class StepBoundary:
                     own.copy_(staged)
 
     # ------------------------------------------------------------------------------ parameters
-    def start_refresh(self, buffers: Iterable[ShardedBuffer]) -> None:
-        """Submit the refresh of every chunk of `buffers`, in column order."""
+    def start_refresh(self, buffers: Iterable[ShardedBuffer], exact: bool = False) -> None:
+        """Submit the refresh of every chunk of `buffers`, in column order (`exact`: never quantized)."""
         group = self.groups.param_refresh
         if group.size == 1:
             return
+        fmt = None if exact else self.quantization.param_refresh
         for buffer in buffers:
             chunks = _Chunks(buffer, self.bucket_elements)
-            jobs = [self.runner.submit(self._refresh_job(buffer, start, end), "parameter refresh", group.name)
-                    for start, end in chunks.ranges]
+            jobs = [self.runner.submit(self._refresh_job(buffer, start, end, fmt, segments), "parameter refresh",
+                                       group.name)
+                    for (start, end), segments in zip(chunks.ranges, chunks.segments)]
             self._refresh[buffer.name] = (chunks, jobs)
 
-    def _refresh_job(self, buffer: ShardedBuffer, start: int, end: int):
+    def _refresh_job(self, buffer: ShardedBuffer, start: int, end: int, fmt, segments: List[int]):
         group, rows, own_row = self.groups.param_refresh, buffer.rows, buffer.own_row
 
         def job() -> None:
             cols = end - start
             recv = scratch(self.scratch, "param_recv", rows * cols, buffer.data.dtype, buffer.data.device)
             with ledger.tagged("asynchzp.param_refresh"):
-                all_gather(recv, buffer.data[own_row, start:end], group).wait()
+                if fmt is not None:
+                    quantized.all_gather(recv, buffer.data[own_row, start:end], group, fmt, self.scratch, segments)
+                else:
+                    all_gather(recv, buffer.data[own_row, start:end], group).wait()
             gathered = recv.view(rows, cols)
             # Every row but the own one, which the gather only read: a reader of DeepSpeed's partition
             # (a checkpoint save) may be reading it meanwhile.
@@ -200,9 +233,10 @@ class StepBoundary:
                     jobs[id(submitted[index])] = submitted[index]
         return [job for job in jobs.values() if not job.done]
 
-    def refresh_params(self, buffers: Iterable[ShardedBuffer]) -> None:
-        """Refresh now and wait (construction, checkpoint load)."""
-        self.start_refresh(buffers)
+    def refresh_params(self, buffers: Iterable[ShardedBuffer], exact: bool = False) -> None:
+        """Refresh now and wait. At construction `exact` (never quantized), so training starts from the weights
+        it was given; after a checkpoint load as after a step, so a resumed run holds what the saved run held."""
+        self.start_refresh(buffers, exact=exact)
         self.wait_refresh()
 
     def wait_refresh(self) -> None:

@@ -12,9 +12,9 @@ The library is built on first use (``builder.py``); where it cannot be, the pure
 layouts and the NaN/inf rules.
 """
 
-from .api import (DEFAULT_BLOCK_SIZE, bucket_add, dequantize, dequantize_reduce, pack, quantize, quantized_sizes,
+from .api import (DEFAULT_BLOCK_SIZE, FLOAT_DTYPES, bucket_add, dequantize, dequantize_reduce, pack, quantize, quantized_sizes,
                   unpack, unpack_gathered)
 from .builder import Status, status
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "Status", "bucket_add", "dequantize", "dequantize_reduce", "pack", "quantize",
+__all__ = ["DEFAULT_BLOCK_SIZE", "FLOAT_DTYPES", "Status", "bucket_add", "dequantize", "dequantize_reduce", "pack", "quantize",
            "quantized_sizes", "status", "unpack", "unpack_gathered"]

@@ -3,7 +3,7 @@
 Every number comes from the same code the engine and the tests use: traffic formulas from
 :mod:`ds_asynchzp.accounting.traffic`, the memory model from :mod:`ds_asynchzp.accounting.sizing`, and the layout
 (``"auto"`` included, with its reason) from :func:`ds_asynchzp.config.resolve_layout` itself. This module only
-adds the two quantized arms, which the engine does not run (ZeRO++ quantization is rejected together with
+adds ZeRO++'s quantized arm, which the engine does not run (ZeRO++ quantization is rejected together with
 ``async_hzp``):
 
 ``zeropp``: ZeRO++ with qwZ + hpZ + qgZ, as DeepSpeed implements it (``zero_quantized_weights``,
@@ -19,14 +19,14 @@ backward gather reads the hpZ secondary inside the node (DeepSpeed quantizes tho
 is an INT4 all-to-all inside the node; its cross-node hop is counted as the ZeRO++ paper does, 0.25x of a bf16
 reduce-scatter over the world. (The two-hop all-to-all moves only the node-reduced 1/G slice across nodes, so
 this is the paper's upper figure.) This is :func:`ds_asynchzp.accounting.traffic.hpz_bytes` with b = q_w,
-b_c = q_g, plus the intra-node hop.
+b_c = q_g, plus the intra-node hop. DeepSpeed's quantization scales are left out (4 bytes per 8000-element
+group in its weight quantizer: < 0.1 %).
 
-``asynchzp-q``: AsyncHZP with the per-micro-step traffic quantized: INT8 parameter gathers over the d_p group and
-INT4 gradient reduce-scatters over the d_g group. The once-per-step boundary flows (gradient exchange and
-all-reduce in the communication dtype, parameter refresh in b bytes) stay unquantized, so the inter-node bytes
-equal asynchzp's whenever d_p, d_g fit in a node.
+The quantized AsyncHZP arms are what the engine runs with the ``async_hzp`` keys of `QUANTIZED_ARMS`
+(``asynchzp-q``: ``quantize_cross_node``, the INT8 cross-node gradient exchange and parameter refresh): their
+flows come from :func:`ds_asynchzp.quantization.plan_quantization`, the engine's own plan, with the wire bytes
+of its format (values plus one fp32 scale per block).
 
-Quantization scales are left out (4 bytes per 8000-element group in DeepSpeed's weight quantizer: < 0.1 %).
 Communication time = intra_bytes / intra_bw + inter_bytes / inter_bw: no overlap with compute or between the two
 levels is assumed, so it is an upper bound of the exposed communication. Bandwidths are per rank.
 
@@ -40,8 +40,10 @@ import re
 from dataclasses import replace
 
 from ..accounting import sizing, traffic
-from ..config import resolve_layout
+from ..config import AsyncHZPConfig, resolve_layout
 from ..errors import AsyncHZPConfigError
+from ..layout import HierarchicalLayout
+from ..quantization import NO_QUANTIZATION, QuantizationPlan, plan_quantization
 
 ARMS = ("zero3", "hpz", "zeropp", "asynchzp", "asynchzp-q")
 ARM_DESCRIPTIONS = {
@@ -49,8 +51,30 @@ ARM_DESCRIPTIONS = {
     "hpz": "ZeRO++ hpZ: ZeRO-3 plus a secondary param partition per node",
     "zeropp": "ZeRO++ qwZ (INT8 weights) + hpZ + qgZ (INT4 grads)",
     "asynchzp": "AsyncHZP: params over d_p, grads over d_g, optimizer states over d_o",
-    "asynchzp-q": "AsyncHZP, INT8 gathers and INT4 grad reduce-scatters inside the node",
+    "asynchzp-q": "AsyncHZP, cross-node gradient exchange and parameter refresh in INT8",
 }
+# The async_hzp keys each quantized AsyncHZP arm sets (the benchmark's arms of the same names set the same).
+QUANTIZED_ARMS = {
+    "asynchzp-q": {"quantize_cross_node": True},
+    "asynchzp-qw": {"quantized_weights": True},
+    "asynchzp-qg": {"quantized_gradients": True},
+}
+QUANTIZATION_KEYS = ("quantized_weights", "quantized_gradients", "quantize_cross_node", "gradient_quantization_bits",
+                     "quantization_block_size", "error_feedback")
+
+
+def arm_quantization(arm: str, world: int, node_size: int, d_p: int, d_g: int, d_o: int | None = None,
+                     keys: dict | None = None) -> QuantizationPlan:
+    """The engine's quantization plan for an AsyncHZP arm: its `QUANTIZED_ARMS` keys (by base name), then
+    ``keys`` (an arm's own section values), defaults for the rest."""
+    base = arm.split(":")[0]
+    values = {k: AsyncHZPConfig.model_fields[k].default for k in QUANTIZATION_KEYS}
+    values.update(QUANTIZED_ARMS.get(base, {}))
+    values.update({k: v for k, v in (keys or {}).items() if k in QUANTIZATION_KEYS and v is not None})
+    layout = HierarchicalLayout(world, node_size, d_p, d_g, world if d_o is None else d_o)
+    return plan_quantization(layout, values["quantized_weights"], values["quantized_gradients"],
+                             values["quantize_cross_node"], values["gradient_quantization_bits"],
+                             values["quantization_block_size"], values["error_feedback"])
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 INT8_BYTES = 1.0
 INT4_BYTES = 0.5
@@ -145,9 +169,6 @@ def params_from_model_spec(spec: dict) -> int:
 
 
 # ------------------------------------------------------------------------------------------ the arms
-MICRO_STEP_FLOWS = ("param_gather", "grad_reduce_scatter")  # the flows asynchzp-q quantizes
-
-
 def zeropp_bytes(t: traffic.TrafficInputs) -> dict:
     """ZeRO++ qwZ + hpZ + qgZ (module docstring): hpZ's formula with INT8 weights and INT4 gradients, plus the
     intra-node all-to-all hop of qgZ."""
@@ -158,34 +179,23 @@ def zeropp_bytes(t: traffic.TrafficInputs) -> dict:
     return {"intra_node": quantized["intra_node"] + first_hop, "inter_node": quantized["inter_node"]}
 
 
-def asynchzp_q_bytes(t: traffic.TrafficInputs, param_shard_size: int, grad_shard_size: int,
-                     optimizer_shard_size: int | None = None) -> dict:
-    """AsyncHZP with quantized micro-step flows (INT8 gathers, INT4 reduce-scatters) and unquantized boundary
-    flows (module docstring): each flow taken from :func:`ds_asynchzp.accounting.traffic.asynchzp_flows`, no
-    formula restated here."""
-    sizes = (param_shard_size, grad_shard_size, optimizer_shard_size)
-    plain = traffic.asynchzp_flows(t, *sizes)
-    quantized = traffic.asynchzp_flows(replace(t, param_bytes=INT8_BYTES, grad_comm_bytes=INT4_BYTES), *sizes)
-    flows = {name: (quantized if name in MICRO_STEP_FLOWS else plain)[name] for name in traffic.FLOWS}
-    return {"intra_node": sum(f["intra_node"] for f in flows.values()),
-            "inter_node": sum(f["inter_node"] for f in flows.values()), "by_flow": flows}
-
-
-def arm_bytes(arm: str, t: traffic.TrafficInputs, d_p: int, d_g: int, d_o: int | None = None) -> dict:
+def arm_bytes(arm: str, t: traffic.TrafficInputs, d_p: int, d_g: int, d_o: int | None = None,
+              quantization: QuantizationPlan | None = None) -> dict:
     """Bytes per optimizer step per rank, ``{"intra_node", "inter_node"}`` (AsyncHZP arms add ``by_flow``).
 
-    ``d_o`` defaults to the world. Any arm named ``asynchzp...`` other than ``asynchzp-q`` (e.g. a benchmark
-    arm ``asynchzp:optimizer_shard_size=4``) is the asynchzp formula with its own layout."""
+    ``d_o`` defaults to the world. Any arm named ``asynchzp...`` (e.g. a benchmark arm
+    ``asynchzp:optimizer_shard_size=4``) is the asynchzp formula with its own layout and its quantization plan
+    (``quantization``, else :func:`arm_quantization` of the arm's name)."""
     if arm == "zero3":
         return traffic.zero3_bytes(t)
     if arm == "hpz":
         return traffic.hpz_bytes(t)
     if arm == "zeropp":
         return zeropp_bytes(t)
-    if arm == "asynchzp-q":
-        return asynchzp_q_bytes(t, d_p, d_g, d_o)
     if arm.startswith("asynchzp"):
-        return traffic.asynchzp_bytes(t, d_p, d_g, d_o)
+        if quantization is None:
+            quantization = arm_quantization(arm, t.world, t.node_size, d_p, d_g, d_o)
+        return traffic.asynchzp_bytes(t, d_p, d_g, d_o, quantization)
     raise ValueError(f"unknown arm {arm!r}; known: {', '.join(ARMS)}")
 
 
@@ -353,8 +363,9 @@ def plan(num_params: int, world: int, node_size: int, grad_accum: int = 1, dtype
             "ring model bytes sent per rank per optimizer step; scalar all-reduces left out",
             "comm time = intra/intra_bw + inter/inter_bw, bandwidths per rank, no overlap with compute",
             "zeropp: INT8 weight gathers, hpZ secondary per node, INT4 grads; cross-node grads 0.25x of bf16",
-            "asynchzp-q: INT8 gathers and INT4 reduce-scatters per micro-step; boundary reduction and refresh "
-            "unquantized",
+            "asynchzp-q: cross-node gradient exchange and parameter refresh in INT8 blocks of "
+            f"{AsyncHZPConfig.model_fields['quantization_block_size'].default} values plus one fp32 scale each; "
+            "intra-node traffic unquantized",
             "asynchzp arms: parameters padded to a multiple of d_o, the others' to a multiple of the world",
             "memory: model states only (no activations, buffers, fragmentation)",
         ],
@@ -496,12 +507,14 @@ def check_results(results: dict) -> dict:
         t = traffic.TrafficInputs(world=world, node_size=node_size, grad_accum=int(config["grad_accum"]),
                                   gathered_elements=elements["gathered"], reduced_elements=elements["reduced"],
                                   trainable_elements=elements["trainable"], param_bytes=b, grad_comm_bytes=b)
-        predicted = arm_bytes(arm, t, d_p, d_g, d_o)
+        quantization = (arm_quantization(arm, world, node_size, d_p, d_g, d_o, entry.get("layout"))
+                        if arm.startswith("asynchzp") else NO_QUANTIZATION)
+        predicted = arm_bytes(arm, t, d_p, d_g, d_o, quantization)
         for where in ("intra_node", "inter_node"):
             rows.append(_compare(arm, where, predicted[where], float(entry["bytes_per_step"][where])))
         # Node links carry only the ring edges between nodes (traffic.link_bytes), not the whole inter-node
         # ring-model figure: predicted once, compared with the ledger's own estimate and with the link counters.
-        link = traffic.link_bytes(arm, t, d_p, d_g, d_o)
+        link = traffic.link_bytes(arm, t, d_p, d_g, d_o, quantization)
         if entry.get("link_bytes_inter_node_per_step") is not None:
             rows.append(_compare(arm, "inter_node_link", link, float(entry["link_bytes_inter_node_per_step"])))
         wire = entry.get("wire_bytes_inter_node_per_step")

@@ -38,6 +38,7 @@ from ..comm.param_gather import ParamGather
 from ..comm.step_boundary import StepBoundary
 from ..scheduler.context import CommContext
 from ..state.buffer_pool import BufferPool
+from ..state.error_feedback import ErrorFeedback
 from ..state.grad_shards import GradShards, Window
 from ..state.param_shards import ParamShards
 from .deepspeed_internals import (STAGE3_AVG_SCATTER_CONTIGUOUS_GRADS, STAGE3_AVG_SCATTER_GRADS,
@@ -84,13 +85,19 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         self.hzp_comm = CommContext(layout.async_comm, layout.comm_timeout_s, device, ds_comm.get_rank(),
                                     ds_comm.get_world_size())
         bucket = layout.boundary_bucket_size or max(int(self.reduce_bucket_size), 1)
-        self.hzp_boundary = StepBoundary(self.hzp_groups, bucket, self.hzp_comm.boundary)
+        self.hzp_quantization = layout.quantization_plan()
+        self.hzp_error_feedback = (ErrorFeedback(self.hzp_grads.buffer.rows, self.hzp_grads.buffer.width, device)
+                                   if self.hzp_quantization.error_feedback else None)
+        self.hzp_boundary = StepBoundary(self.hzp_groups, bucket, self.hzp_comm.boundary, self.hzp_quantization,
+                                         self.hzp_error_feedback)
         self.hzp_pool = BufferPool()
         self.hzp_gather = ParamGather(self.hzp_params, self.hzp_groups.param_shard, self.hzp_comm.gather,
-                                      self.hzp_pool, self.hzp_boundary.refresh_waits, layout.prefetch_depth)
+                                      self.hzp_pool, self.hzp_boundary.refresh_waits, layout.prefetch_depth,
+                                      self.hzp_quantization.param_gather)
         self.hzp_reduce = GradReduce(self.hzp_grads, self.hzp_groups.grad_shard, layout.world_size,
-                                     self.reduce_scatter, self.hzp_comm.reduce)
-        self.hzp_boundary.refresh_params(self.hzp_params.buffers)
+                                     self.reduce_scatter, self.hzp_comm.reduce,
+                                     self.hzp_quantization.grad_reduce_scatter)
+        self.hzp_boundary.refresh_params(self.hzp_params.buffers, exact=True)
         for param in self.hzp_params.params:
             install_param_hooks(param, self.hzp_gather.all_gather_coalesced, self._hzp_parameter_updated,
                                 self.hzp_gather.released)
@@ -218,6 +225,7 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
     def _post_step(self, timer_names):
         # Stock Stage 3 re-gathers persistent parameters over the partition group and drops hpZ secondaries
         # here; instead the parameter shards are refreshed from the updated atoms, in the background.
+        self.hzp_params.zero_padding()
         self.hzp_boundary.start_refresh([self.hzp_trainable_buffer])
         self._hzp_regather_persistent(gather_missing=True)
         self.timers.log(timer_names)
@@ -263,14 +271,22 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
     def load_state_dict(self, *args, **kwargs):
         self._hzp_quiesce_params()
         result = super().load_state_dict(*args, **kwargs)
-        self.hzp_boundary.refresh_params(self.hzp_params.buffers)
+        self._hzp_refresh_loaded()
         return result
 
     def _load_universal_checkpoint(self, *args, **kwargs):
         self._hzp_quiesce_params()
         result = super()._load_universal_checkpoint(*args, **kwargs)
-        self.hzp_boundary.refresh_params(self.hzp_params.buffers)
+        self._hzp_refresh_loaded()
         return result
+
+    def _hzp_refresh_loaded(self) -> None:
+        """After a checkpoint load: the trainable shards refreshed as after a step (quantized where the step's
+        refresh is), so a resumed run holds exactly what the saved run held; frozen ones exactly, as built."""
+        self.hzp_params.zero_padding()
+        frozen = [buffer for buffer in self.hzp_params.buffers if buffer is not self.hzp_trainable_buffer]
+        self.hzp_boundary.start_refresh([self.hzp_trainable_buffer])
+        self.hzp_boundary.refresh_params(frozen, exact=True)
 
     def checkpoint_event_epilogue(self):
         # As stock: persistent parameters come back gathered after a checkpoint save or load.

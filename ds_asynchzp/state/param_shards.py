@@ -22,6 +22,8 @@ class ParamShards:
         self.layout = layout
         self.rows = layout.param_rows
         self.own_row = layout.param_row_of_own_atom(dp_rank)
+        self.own_atom_index = layout.own_atom(dp_rank)       # q: which atom of every parameter this rank owns
+        self._padding: List[torch.Tensor] = []                # views of the own row past each parameter's end
         self.shard_index = dp_rank % layout.param_shard_size   # j: this rank's index in its shard group
         self.buffers: List[ShardedBuffer] = []
         self._buffer_of: Dict[int, ShardedBuffer] = {}
@@ -30,7 +32,22 @@ class ParamShards:
         self.buffers.append(buffer)
         for param in buffer.params:
             self._buffer_of[param.ds_id] = buffer
+            c = buffer.columns[param.ds_id]
+            valid = max(0, min(c.atom, param.ds_numel - self.own_atom_index * c.atom))
+            if valid < c.atom:
+                self._padding.append(buffer.own.narrow(0, c.offset + valid, c.atom - valid))
+        self.zero_padding()
         return buffer
+
+    def zero_padding(self) -> None:
+        """Zero the own atoms' padding (past each parameter's last element).
+
+        DeepSpeed leaves that padding uninitialised, and the step writes back whatever its fp32 copy holds
+        there. Unquantized gathers drop it, but a quantized one would let it into a block's absmax (a NaN
+        there poisons the whole block), and its bytes would differ between runs. Every rank zeroes its own
+        atoms, so every row of every shard, refreshed from its owner, holds zeros there."""
+        for view in self._padding:
+            view.zero_()
 
     def adopt_trainable(self, params_in_flat_order: Sequence[torch.nn.Parameter], flat: torch.Tensor) -> ShardedBuffer:
         """Take over Stage 3's flat parameter buffer: its contents become the own row of a new shard buffer.
