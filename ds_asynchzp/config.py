@@ -40,6 +40,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
@@ -281,9 +282,10 @@ class ResolvedLayout:
         return HierarchicalLayout(self.world_size, self.node_size, self.param_shard_size, self.grad_shard_size,
                                   self.optimizer_shard_size)
 
-    def quantization_plan(self) -> QuantizationPlan:
-        """Which flows of this layout travel quantized, in which format (`ds_asynchzp.quantization`)."""
-        return plan_quantization(self.grid(), self.quantized_weights, self.quantized_gradients,
+    def quantization_plan(self, grid: Optional[HierarchicalLayout] = None) -> QuantizationPlan:
+        """Which flows of this layout (or of `grid`, another family's layout under the same keys) travel
+        quantized, in which format (`ds_asynchzp.quantization`)."""
+        return plan_quantization(grid or self.grid(), self.quantized_weights, self.quantized_gradients,
                                  self.quantize_cross_node, self.gradient_quantization_bits,
                                  self.quantization_block_size, self.error_feedback)
 
@@ -380,7 +382,8 @@ def _compat_issues(ds_config: dict, has_client_optimizer: bool) -> list[ConfigIs
     (runtime/zero/offload_config.py, read as ``zero_optimization.offload_optimizer.super_offload`` by
     engine.super_offload(), which then builds SuperOffloadOptimizer_Stage3 whatever the offload device);
     ``autotp_size`` of the ``tensor_parallel`` section (runtime/tensor_parallel/config.py, 0 = off);
-    ``expert_parallel.enabled`` (runtime/config.py EXPERT_PARALLEL, module_inject/auto_ep_config.py);
+    ``expert_parallel.expert_tensor_parallel_size`` (runtime/config.py EXPERT_PARALLEL,
+    module_inject/auto_ep_config.py);
     ``compile.deepcompile`` (runtime/config.py builds CompileConfig from the ``compile`` section).
     """
     issues = []
@@ -448,10 +451,13 @@ def _compat_issues(ds_config: dict, has_client_optimizer: bool) -> list[ConfigIs
                                   f"is {autotp}; AutoTP tensor parallelism is not supported together with async_hzp "
                                   "yet (its shard groups are built over the whole world).",
                                   "set tensor_parallel.autotp_size to 0 or 1, or remove the async_hzp section."))
-    if _value_in(ds_config.get("expert_parallel"), "enabled"):
-        issues.append(ConfigIssue("expert_parallel.enabled",
-                                  "is true; expert parallelism (AutoEP) is not supported together with async_hzp yet.",
-                                  "set expert_parallel.enabled to false, or remove the async_hzp section."))
+    expert_tp = _value_in(ds_config.get("expert_parallel"), "expert_tensor_parallel_size")
+    if _value_in(ds_config.get("expert_parallel"), "enabled") and isinstance(expert_tp, int) and expert_tp > 1:
+        issues.append(ConfigIssue("expert_parallel.expert_tensor_parallel_size",
+                                  f"is {expert_tp}; async_hzp lays out AutoEP's experts over their expert-data-"
+                                  "parallel group and does not support expert tensor parallelism.",
+                                  "set expert_parallel.expert_tensor_parallel_size to 1, or remove the async_hzp "
+                                  "section."))
     if _value_in(ds_config.get("compile"), "deepcompile"):
         issues.append(ConfigIssue("compile.deepcompile",
                                   "is true; DeepCompile replaces the ZeRO-3 gathers and reductions that async_hzp "
@@ -481,21 +487,24 @@ _NODE_ENV = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE")
 
 def _resolve_node_size(section: AsyncHZPConfig, local_world_size: int | None, world: int) -> int:
     key = f"{SECTION}.node_size"
+    environment = {e: int(os.environ[e].strip()) for e in _NODE_ENV if os.environ.get(e, "").strip().isdigit()}
     if section.node_size is not None:
         node, source = section.node_size, "set in the config"
-        # A node size that disagrees with the launcher would put "intra-node" groups across real nodes. The
-        # launcher's value is the first of _NODE_ENV that is set, as where node_size is unset (and in
-        # runtime/api.py), so exporting LOCAL_WORLD_SIZE overrides a launcher's LOCAL_SIZE.
-        reported = [(f"local_world_size={local_world_size} passed to resolve_layout", local_world_size)]
-        env = next((e for e in _NODE_ENV if os.environ.get(e, "").strip()), None)
-        if env is not None and os.environ[env].strip().isdigit():
-            reported.append((f"environment {env}={os.environ[env].strip()}", int(os.environ[env].strip())))
-        for where, value in reported:
-            if value is not None and value != node:
-                raise AsyncHZPConfigError(
-                    key, f"is {node}, but the launcher reports {value} ranks per node ({where}).",
-                    f"set {key} to {value} or remove it (it defaults to the launcher's value); to emulate nodes of "
-                    f"{node} ranks, start the ranks with LOCAL_WORLD_SIZE={node}.")
+        # A node size that disagrees with the launcher would put "intra-node" groups across real nodes. Where the
+        # two variables disagree (LOCAL_WORLD_SIZE exported to emulate smaller nodes, or rewritten by Accelerate
+        # on CPU ranks), the config's value must be one of them: it says which one is meant.
+        if local_world_size is not None and local_world_size != node:
+            raise AsyncHZPConfigError(
+                key, f"is {node}, but the launcher reports {local_world_size} ranks per node (local_world_size="
+                f"{local_world_size} passed to resolve_layout).",
+                f"set {key} to {local_world_size} or remove it (it defaults to the launcher's value).")
+        if environment and node not in environment.values():
+            env, value = next(iter(environment.items()))
+            seen = ", ".join(f"{e}={v}" for e, v in environment.items())
+            raise AsyncHZPConfigError(
+                key, f"is {node}, but the launcher reports {value} ranks per node (environment {seen}).",
+                f"set {key} to {value} or remove it (it defaults to the launcher's value); to emulate nodes of "
+                f"{node} ranks, start the ranks with LOCAL_WORLD_SIZE={node}.")
     elif local_world_size is not None:
         node, source = local_world_size, "the launcher's local world size"
     else:
@@ -513,6 +522,12 @@ def _resolve_node_size(section: AsyncHZPConfig, local_world_size: int | None, wo
                 key, "is unset and the ranks per node are unknown (no LOCAL_WORLD_SIZE or LOCAL_SIZE in the environment).",
                 f"set {key} to the number of data-parallel ranks per node, e.g. 8, or start with a launcher "
                 "that sets LOCAL_WORLD_SIZE (torchrun, deepspeed).")
+        if len(set(environment.values())) > 1:
+            warnings.warn(
+                f"{key} is unset and the environment disagrees on the ranks per node ("
+                + ", ".join(f"{e}={v}" for e, v in environment.items()) + f"); using {node} from {source}. "
+                "Accelerate rewrites LOCAL_WORLD_SIZE on CPU ranks; set async_hzp.node_size to the ranks per node "
+                "to choose.", RuntimeWarning, stacklevel=3)
     if world % node != 0:
         valid = sizing.divisors(world)
         below = max(v for v in valid if v <= node)

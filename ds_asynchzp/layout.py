@@ -28,6 +28,7 @@ point-to-point permutation:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import List
 
@@ -118,3 +119,11 @@ class HierarchicalLayout:
 
 def _consecutive(world: int, size: int) -> List[List[int]]:
     return [list(range(start, start + size)) for start in range(0, world, size)]
+
+
+def expert_layout(members: int, members_per_node: int, dense: HierarchicalLayout) -> HierarchicalLayout:
+    """The layout of AutoEP's routed experts inside one expert-data-parallel group of `members` ranks, with
+    `members_per_node` of them on each node (`runtime/placement.py`): parameters and gradients sharded as the
+    dense layout shards them, within the node (gcd with the members per node), optimizer states over the group."""
+    return HierarchicalLayout(members, members_per_node, math.gcd(dense.param_shard_size, members_per_node),
+                              math.gcd(dense.grad_shard_size, members_per_node), members)

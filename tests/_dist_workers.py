@@ -23,6 +23,7 @@ from ds_asynchzp.bench.data import batch_for
 from ds_asynchzp.bench.model import MODEL_PRESETS, build_model
 from ds_asynchzp.accounting.memory import model_state_bytes
 from ds_asynchzp.accounting.sizing import padded_num_params
+from ds_asynchzp.runtime.deepspeed_internals import autoep_groups
 
 # The benchmark's ZeRO-3 knobs (every arm the same; nothing stays gathered between passes), with small
 # gradient buckets so several bucket flushes happen per backward.
@@ -33,6 +34,9 @@ DEFAULT_KNOBS = {"stage": 3, "reduce_bucket_size": 20000}
 BUCKET_ELEMENTS = 20000
 # Steps 0 and 1 carry DeepSpeed's trace-order checks and the prefetch's first recording.
 FIRST_STEADY_STEP = 2
+# Collectives of the tests' own inspections (check_shards), left out of the measured bytes.
+CHECK_TAG = "test.check_shards"
+INSPECTION_TAGS = (CHECK_TAG, "asynchzp.inspect", "asynchzp.expert.inspect")
 
 
 def ds_config(case: dict) -> dict:
@@ -50,6 +54,9 @@ def ds_config(case: dict) -> dict:
         config["fp16"] = {"enabled": True, "initial_scale_power": 8}
     if case.get("async_hzp") is not None:
         config["async_hzp"] = case["async_hzp"]
+    if case.get("autoep_size"):
+        from ds_asynchzp.bench.moe_model import autoep_config
+        config["expert_parallel"] = autoep_config(case["autoep_size"])
     return config
 
 
@@ -57,14 +64,17 @@ def _padded(numel: int, world: int) -> int:
     return padded_num_params([numel], world)
 
 
-def _element_counts(model, world: int) -> dict:
-    """P_g, P_r, P_t of ds_asynchzp.traffic (padded element counts)."""
+def _element_counts(model, world: int, which=lambda param: True) -> dict:
+    """P_g, P_r, P_t of ds_asynchzp.traffic (padded element counts), of the parameters `which` selects."""
     counts = {"gathered": 0, "reduced": 0, "trainable": 0, "all": 0}
     # ZeRO-3 fetches a module's own parameters when the module runs: a tied weight is gathered once per module.
     for module in model.modules():
         for param in module.parameters(recurse=False):
-            counts["gathered"] += _padded(getattr(param, "ds_numel", param.numel()), world)
+            if which(param):
+                counts["gathered"] += _padded(getattr(param, "ds_numel", param.numel()), world)
     for name, param in model.named_parameters():
+        if not which(param):
+            continue
         numel = _padded(getattr(param, "ds_numel", param.numel()), world)
         counts["all"] += numel
         if param.requires_grad:
@@ -72,6 +82,21 @@ def _element_counts(model, world: int) -> dict:
             if name != "unused":
                 counts["reduced"] += numel
     return counts
+
+
+def _families(engine):
+    """Per AsyncHZP family: its layout and its element counts, padded to its optimizer group."""
+    placements = getattr(engine.optimizer, "hzp_placements", None)
+    if placements is None:
+        return None
+    out = {}
+    for placement in placements:
+        layout = placement.family.layout
+        out[placement.family.name] = {
+            "layout": {"world": layout.world, "node_size": layout.node_size, "d_p": layout.param_shard_size,
+                       "d_g": layout.grad_shard_size, "d_o": layout.optimizer_shard_size},
+            "elements": _element_counts(engine.module, layout.optimizer_shard_size, placement.owns)}
+    return out
 
 
 def _full_params(engine) -> dict:
@@ -84,7 +109,27 @@ def _full_params(engine) -> dict:
 
 def _build_engine(case: dict):
     torch.manual_seed(case.get("seed", 7))
+    if case.get("model") == "moe":
+        from ds_asynchzp.bench.moe_model import build_moe_model
+        model = build_moe_model("moe", case.get("seq_len", 32), seed=case.get("seed", 7))
+        engine, *_ = ds_asynchzp.initialize(model=model, model_parameters=[p for p in model.parameters()
+                                                                           if p.requires_grad],
+                                            config=ds_config(case))
+        return engine
     model_config = dataclasses.replace(MODEL_PRESETS[case.get("model", "tiny")], moe_experts=case.get("moe_experts", 0))
+    if case.get("foreign_partition_group"):
+        # One extra (unused) layer partitioned over half of the world: a group async_hzp does not lay out.
+        world = deepspeed.comm.get_world_size()
+        halves = [deepspeed.comm.new_group(list(range(h, h + world // 2))) for h in (0, world // 2)]
+        mine = halves[deepspeed.comm.get_rank() // (world // 2)]
+        with deepspeed.zero.Init(data_parallel_group=mine, config_dict_or_path=ds_config(case)):
+            extra = torch.nn.Linear(8, 8)
+        model = build_model(model_config, seed=case.get("seed", 7))
+        model.extra = extra
+        engine, *_ = ds_asynchzp.initialize(model=model, model_parameters=[p for p in model.parameters()
+                                                                           if p.requires_grad],
+                                            config=ds_config(case))
+        return engine
     if case.get("zero_init"):
         with deepspeed.zero.Init(config_dict_or_path=ds_config(case)):
             model = build_model(model_config, seed=case.get("seed", 7))
@@ -135,7 +180,13 @@ def _error_feedback_norm(engine):
 def _nonzero_padding(engine) -> int:
     """Elements past a parameter's end, in any row of any parameter shard, that are not zero (quantization reads
     whole blocks, padding included)."""
-    shards = engine.optimizer.hzp_params
+    nonzero = 0
+    for placement in engine.optimizer.hzp_placements:
+        nonzero += _nonzero_padding_of(placement.shards)
+    return nonzero
+
+
+def _nonzero_padding_of(shards) -> int:
     layout = shards.layout
     j = shards.shard_index
     nonzero = 0
@@ -182,7 +233,7 @@ def _record_hzp_allocations(engine, recorder) -> None:
 
 
 def _step_record(mark: int) -> dict:
-    summary = ledger.summary(mark)
+    summary = ledger.summary(mark, skip_tags=INSPECTION_TAGS)
     records = ledger.get().since(mark)
     summary["tags"] = {}
     for record in records:
@@ -203,6 +254,7 @@ def _sequences_by_communicator(mark: int) -> dict:
 def train_case(case: dict) -> dict:
     rank, world = deepspeed.comm.get_rank(), deepspeed.comm.get_world_size()
     engine = _build_engine(case)
+    ledger.get().set_expert_groups(*autoep_groups())
     optimizer_class = type(engine.optimizer).__name__
     losses, steps, shard_diffs, safe_grads = [], [], [], []
     resumed_feedback = None
@@ -267,18 +319,29 @@ def train_case(case: dict) -> dict:
         if hasattr(engine.optimizer, "hzp_buffer_allocations"):
             steps[-1]["buffer_allocations"] = sum(engine.optimizer.hzp_buffer_allocations().values())
         if case.get("check_shards"):
-            shard_diffs.append(_shards_vs_consolidated(engine))
+            # Its gathers are an inspection, not training traffic: tagged, and left out of the step's bytes.
+            with ledger.tagged(CHECK_TAG):
+                shard_diffs.append(_shards_vs_consolidated(engine))
         if case.get("check_padding"):
             steps[-1]["nonzero_padding"] = _nonzero_padding(engine)
     if hasattr(engine.optimizer, "_hzp_quiesce_params"):
         engine.optimizer._hzp_quiesce_params()     # the last refresh is in the sequence too
     sequences = _sequences_by_communicator(case_mark)
-    steady = ledger.summary(steady_mark)
+    steady = ledger.summary(steady_mark, skip_tags=INSPECTION_TAGS)
     steady_steps = case["steps"] - FIRST_STEADY_STEP
+    by_tag = {}
+    for record in ledger.get().since(steady_mark):
+        if record.tag in INSPECTION_TAGS:
+            continue
+        part = by_tag.setdefault(record.tag or record.op, {"intra_node": 0.0, "inter_node": 0.0})
+        part["inter_node" if record.inter_node else "intra_node"] += record.wire_bytes / steady_steps
     steady_per_step = {"intra_node": steady["intra_node"] / steady_steps,
                        "inter_node": steady["inter_node"] / steady_steps,
                        "by_op": {op: {k: v / steady_steps for k, v in per_op.items()}
-                                 for op, per_op in steady["by_op"].items()}}
+                                 for op, per_op in steady["by_op"].items()},
+                       "by_family": {name: {k: v / steady_steps for k, v in part.items()}
+                                     for name, part in steady["by_family"].items()},
+                       "by_tag": by_tag}
     if case.get("then_stock_steps"):
         # A second engine on the same module, after destroy(): it must start from the trained weights.
         engine.destroy()
@@ -306,6 +369,7 @@ def train_case(case: dict) -> dict:
         "elements_by_optimizer_group": _element_counts(
             engine.module, engine.optimizer.hzp_layout.optimizer_shard_size)
         if hasattr(engine.optimizer, "hzp_layout") else None,
+        "families": _families(engine),
         "grad_norm": float(engine.get_global_grad_norm()),
         "shard_diffs": shard_diffs,
         "safe_grads": safe_grads,
@@ -335,6 +399,14 @@ def run_cases(payload: dict) -> dict:
         # Test-only delays around every collective of the package (see ds_asynchzp.comm.delay_injection).
         os.environ["DS_ASYNCHZP_COMM_DELAY_MS"] = case.get("comm_delay", "")
         delay_injection.reset()
+        if case.get("expect_error"):
+            try:
+                train_case(case)
+                result = {"error": None}
+            except Exception as error:  # the case checks which error, and that nothing hangs after it
+                result = {"error": f"{type(error).__name__}: {error}"}
+            results[case["name"]] = result
+            continue
         result = train_case(case)
         # Progress in the rank log: tells a slow launch from a stuck one when a launch times out.
         print(f"case {case['name']}: {case['steps']} steps in {time.perf_counter() - started:.1f} s", flush=True)
@@ -353,7 +425,7 @@ def run_cases(payload: dict) -> dict:
             result["param_rel_l2_diff"] = math.sqrt(delta / norm)
         results[case["name"]] = result
     for result in results.values():
-        result.pop("final_params")
+        result.pop("final_params", None)
     results["rank"] = int(os.environ["RANK"])
     return results
 

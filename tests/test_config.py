@@ -116,8 +116,9 @@ BAD = [
     ("super-offload-top-level", make(zero={"super_offload": True}), 8, 4, {}, {}, "zero_optimization.super_offload"),
     ("mics", make(zero={"mics_shard_size": 4}), 8, 4, {}, {}, "zero_optimization.mics_shard_size"),
     ("autotp", make(tensor_parallel={"autotp_size": 2}), 8, 4, {}, {}, "tensor_parallel.autotp_size"),
-    ("expert-parallel", make(expert_parallel={"enabled": True, "autoep_size": 2}), 8, 4, {}, {},
-     "expert_parallel.enabled"),
+    ("expert-tensor-parallel", make(expert_parallel={"enabled": True, "autoep_size": 2,
+                                                     "expert_tensor_parallel_size": 2}), 8, 4, {}, {},
+     "expert_parallel.expert_tensor_parallel_size"),
     ("deepcompile", make(compile={"deepcompile": True}), 8, 4, {}, {}, "compile.deepcompile"),
     ("node-size-unknown", make(), 8, None, {}, {}, "async_hzp.node_size"),
     ("node-size-env-garbage", make(), 8, None, {"LOCAL_WORLD_SIZE": "four"}, {}, "async_hzp.node_size"),
@@ -203,6 +204,17 @@ def test_messages_suggest_valid_values():
     with pytest.raises(AsyncHZPConfigError, match=r"grad_shard_size=8 .*param_shard_size to one of 1, 2, 4, or"):
         resolve_layout(make({"param_shard_size": 8, "grad_shard_size": 8, "optimizer_shard_size": "auto"}), 16, 4,
                        num_parameters=PSI)
+
+
+def test_disagreeing_environment_is_settled_by_the_config(monkeypatch):
+    # Accelerate on CPU ranks rewrites LOCAL_WORLD_SIZE (to 1) where the deepspeed launcher set LOCAL_SIZE.
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_SIZE", "4")
+    with pytest.warns(RuntimeWarning, match=r"LOCAL_WORLD_SIZE=1, LOCAL_SIZE=4.*set async_hzp.node_size"):
+        assert resolve_layout(make(), 8, None).node_size == 1
+    assert resolve_layout(make({"node_size": 4}), 8, None).node_size == 4   # names one of them: accepted
+    with pytest.raises(AsyncHZPConfigError, match=r"LOCAL_WORLD_SIZE=1, LOCAL_SIZE=4"):
+        resolve_layout(make({"node_size": 2}), 8, None)
 
 
 def test_node_size_mismatch_names_both_values_and_the_fix(monkeypatch):

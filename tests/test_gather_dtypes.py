@@ -10,7 +10,7 @@ grouping, pooling, prefetch and unpacking are the real ones, on a real gather th
 import pytest
 import torch
 
-from ds_asynchzp.comm.param_gather import ParamGather
+from ds_asynchzp.comm.param_gather import GatherSource, ParamGather
 from ds_asynchzp.layout import HierarchicalLayout
 from ds_asynchzp.runtime.deepspeed_internals import ZeroParamStatus
 from ds_asynchzp.runtime.process_groups import Group
@@ -30,8 +30,8 @@ def _fake_zero_param(ds_id, values):
 def _gather_over(params, runner):
     shards = ParamShards(HierarchicalLayout(1, 1, 1, 1, 1), dp_rank=0)
     shards.adopt_frozen(params)
-    return ParamGather(shards, Group("param_shard", (0,)), runner, BufferPool(), refresh_waits=lambda ps: [],
-                       prefetch_depth=2)
+    source = GatherSource(shards, Group("param_shard", (0,)), quantize=None, refresh_waits=lambda ps: [])
+    return ParamGather([source], runner, BufferPool(), prefetch_depth=2)
 
 
 def _release(gather, params):
@@ -54,7 +54,7 @@ def test_mixed_dtypes_come_back_in_their_own_dtype(thread):
     full = torch.randn(7, dtype=torch.float32)
     params = [_fake_zero_param(0, half), _fake_zero_param(1, full)]
     gather = _gather_over(params, thread)
-    assert {b.data.dtype for b in gather.shards.buffers} == {torch.bfloat16, torch.float32}
+    assert {b.data.dtype for b in gather.sources[0].shards.buffers} == {torch.bfloat16, torch.float32}
     gather.all_gather_coalesced(params).wait()
     assert params[0].dtype == torch.bfloat16 and torch.equal(params[0].data, half)
     assert params[1].dtype == torch.float32 and torch.equal(params[1].data, full)

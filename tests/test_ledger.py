@@ -10,7 +10,7 @@ import pytest
 
 from ds_asynchzp.accounting.traffic import TrafficInputs, asynchzp_bytes, hpz_bytes, zero3_bytes
 
-WORLD, NODE = 8, 4
+WORLD, NODE = 4, 2
 FIRST_STEADY_STEP = 2
 FORMULA_RTOL = 0.01
 
@@ -55,14 +55,23 @@ def test_asynchzp_matches_formula(results, gas):
 
 
 def test_asynchzp_with_optimizer_shards_inside_a_node_matches_formula(results):
-    """d_p = 2 < d_g = 4 = d_o: no boundary exchange inside the optimizer group, one all-reduce across nodes."""
-    case = "asynchzp_p2_g4_o4_gas4"
-    predicted = asynchzp_bytes(_inputs(results, case, 4), param_shard_size=2, grad_shard_size=4, optimizer_shard_size=4)
+    """d_p = 1 < d_g = 2 = d_o: no boundary exchange inside the optimizer group, one all-reduce across nodes."""
+    case = "asynchzp_p1_g2_o2_gas4"
+    predicted = asynchzp_bytes(_inputs(results, case, 4), param_shard_size=1, grad_shard_size=2, optimizer_shard_size=2)
     _assert_close(_measured(results, case), predicted, case)
 
 
+def test_asynchzp_with_nothing_sharded_inside_a_node_matches_formula(results):
+    """d_p = d_g = 1, d_o = 4: no micro-step traffic; the boundary exchange and refresh over all 4 ranks."""
+    case = "asynchzp_p1_g1_o4_gas4"
+    predicted = asynchzp_bytes(_inputs(results, case, 4), param_shard_size=1, grad_shard_size=1, optimizer_shard_size=4)
+    _assert_close(_measured(results, case), predicted, case)
+    assert predicted["by_flow"]["param_gather"]["intra_node"] == predicted["by_flow"]["grad_reduce_scatter"][
+        "intra_node"] == 0
+
+
 def test_no_point_to_point_in_steady_state(results):
-    for name in ("asynchzp_gas1", "asynchzp_gas4", "asynchzp_p2_g4_o4_gas4"):
+    for name in ("asynchzp_gas1", "asynchzp_gas4", "asynchzp_p1_g2_o2_gas4", "asynchzp_p1_g1_o4_gas4"):
         for rank_result in results:
             for step in rank_result[name]["ledger_steps"][FIRST_STEADY_STEP:]:
                 assert "send" not in step["by_op"] and "recv" not in step["by_op"], (name, step["by_op"])

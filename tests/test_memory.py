@@ -13,8 +13,8 @@ VIEW_ROLES = ("param_primary", "param_secondary", "grad_primary")
 
 
 @pytest.mark.parametrize("case, d_p, d_g, d_o", [
-    ("asynchzp_gas4", NODE, NODE, WORLD),
-    ("asynchzp_p2_g4_o4_gas4", 2, 4, 4),  # optimizer group inside a node, replicated over both nodes
+    ("asynchzp_gas2", NODE, NODE, WORLD),
+    ("asynchzp_p2_g4_o4_gas2", 2, 4, 4),  # optimizer group inside a node, replicated over both nodes
 ])
 def test_asynchzp_model_states_match_formula(launched, case, d_p, d_g, d_o):
     for rank_result in launched(WORLD, NODE):

@@ -31,6 +31,11 @@ by its `wait()`. Two step-level figures come from these intervals:
 * communication busy time: the length of the union of all collective intervals, whichever thread issued them.
 
 Overlap shows as busy time well above exposed time.
+
+Families. With AutoEP's experts, every record also belongs to one of three families (`summary()["by_family"]`):
+`expert` (AsyncHZP's expert flows, tagged `asynchzp.expert.*`, and stock ZeRO-3's collectives over an
+expert-data-parallel group), `tokens` (the token all-to-all of an expert-parallel group, which DeepSpeed issues)
+and `dense` (everything else). `set_expert_groups` tells the ledger which groups those are.
 """
 
 from __future__ import annotations
@@ -123,6 +128,8 @@ class CommLedger:
         self._ranks_cache: Dict[int, tuple] = {}
         self._originals: Dict[str, object] = {}
         self._backend = None
+        self.token_groups: set = set()    # ranks of expert-parallel groups (the token all-to-all)
+        self.expert_groups: set = set()   # ranks of expert-data-parallel groups (stock expert partitions)
         self.waits: List[tuple] = []   # (start, end, what): the training thread blocked on communication
         self.delays: List[tuple] = []  # (start, end): test-only latency injected around collectives (any thread)
 
@@ -275,6 +282,23 @@ class CommLedger:
         finally:
             stack.pop()
 
+    # ------------------------------------------------------------------ families
+    def set_expert_groups(self, token_groups, expert_groups) -> None:
+        """AutoEP's groups of this rank: expert-parallel (tokens) and expert-data-parallel (expert weights)."""
+        self.token_groups = {tuple(g) for g in token_groups}
+        self.expert_groups = {tuple(g) for g in expert_groups}
+
+    def family_of(self, record: CommRecord) -> str:
+        if record.tag.startswith("asynchzp.expert."):
+            return "expert"
+        if record.tag.startswith("asynchzp."):
+            return "dense"
+        if record.op == "all_to_all" and record.group_ranks in self.token_groups:
+            return "tokens"
+        if record.group_ranks in self.expert_groups:
+            return "expert"
+        return "dense"
+
     # ------------------------------------------------------------------ reading
     def mark(self) -> int:
         with self._lock:
@@ -284,19 +308,24 @@ class CommLedger:
         with self._lock:
             return list(self.records[mark:until])
 
-    def summary(self, mark: int = 0, until: Optional[int] = None) -> dict:
+    def summary(self, mark: int = 0, until: Optional[int] = None, skip_tags: tuple = ()) -> dict:
         """Ring-model wire bytes intra/inter node and per op kind, predicted node-link bytes (`link_bytes`) and
-        time in collectives (`seconds`) of the records in [mark, until)."""
-        out = {"intra_node": 0.0, "inter_node": 0.0, "calls": 0, "link_bytes": 0.0, "seconds": 0.0, "by_op": {}}
+        time in collectives (`seconds`) of the records in [mark, until), leaving out those tagged with one of
+        `skip_tags` (inspections a caller made in the middle of a measurement)."""
+        out = {"intra_node": 0.0, "inter_node": 0.0, "calls": 0, "link_bytes": 0.0, "seconds": 0.0, "by_op": {},
+               "by_family": {}}
         for record in self.since(mark, until):
+            if record.tag in skip_tags:
+                continue
             where = "inter_node" if record.inter_node else "intra_node"
             out[where] += record.wire_bytes
             out["calls"] += 1
             out["link_bytes"] += record.link_bytes
             out["seconds"] += record.seconds
-            per_op = out["by_op"].setdefault(record.op, {"intra_node": 0.0, "inter_node": 0.0, "calls": 0})
-            per_op[where] += record.wire_bytes
-            per_op["calls"] += 1
+            for key, name in (("by_op", record.op), ("by_family", self.family_of(record))):
+                part = out[key].setdefault(name, {"intra_node": 0.0, "inter_node": 0.0, "calls": 0})
+                part[where] += record.wire_bytes
+                part["calls"] += 1
         return out
 
     def records_as_dicts(self, mark: int = 0, until: Optional[int] = None) -> List[dict]:
@@ -353,11 +382,11 @@ def mark() -> int:
     return _LEDGER.mark() if _LEDGER else 0
 
 
-def summary(mark: int = 0, until: Optional[int] = None) -> dict:
+def summary(mark: int = 0, until: Optional[int] = None, skip_tags: tuple = ()) -> dict:
     if _LEDGER is None:
         raise RuntimeError("the communication ledger is not installed: call ds_asynchzp.ledger.install() "
                            "after deepspeed.init_distributed()")
-    return _LEDGER.summary(mark, until)
+    return _LEDGER.summary(mark, until, skip_tags)
 
 
 def note_wait(start: float, end: float, what: str) -> None:

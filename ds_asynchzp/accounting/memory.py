@@ -22,14 +22,13 @@ def model_state_bytes(engine) -> dict:
     """
     optimizer = engine.optimizer
     tensors = {}
-    params = getattr(optimizer, "hzp_params", None)
-    grads = getattr(optimizer, "hzp_grads", None)
-    if params is not None:
-        tensors["param_shard"] = [buffer.data for buffer in params.buffers]
-        tensors["grad_shard"] = [grads.buffer.data] if grads is not None else []
-        feedback = getattr(optimizer, "hzp_error_feedback", None)
-        if feedback is not None:
-            tensors["error_feedback"] = [feedback.residual]
+    placements = getattr(optimizer, "hzp_placements", None)
+    if placements is not None:
+        tensors["param_shard"] = [buffer.data for p in placements for buffer in p.shards.buffers]
+        tensors["grad_shard"] = [p.grads.buffer.data for p in placements if p.grads is not None]
+        feedbacks = [p.error_feedback.residual for p in placements if p.error_feedback is not None]
+        if feedbacks:
+            tensors["error_feedback"] = feedbacks
     tensors.update(stage3_model_state_tensors(optimizer, engine.module))
     seen, out = set(), {}
     for role, role_tensors in tensors.items():

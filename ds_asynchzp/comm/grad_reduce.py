@@ -79,8 +79,9 @@ def fill_bucket(send: torch.Tensor, grads: Sequence[torch.Tensor], atoms: Sequen
 
 class GradReduce:
     def __init__(self, grads: GradShards, group: Group, world: int, use_reduce_scatter: bool, runner,
-                 quantize: Optional[QuantFormat] = None):
+                 quantize: Optional[QuantFormat] = None, tag_prefix: str = "asynchzp"):
         self.grads = grads
+        self.tag = f"{tag_prefix}.grad_reduce_scatter"
         self.group = group
         self.world = world
         self.use_reduce_scatter = use_reduce_scatter
@@ -107,7 +108,7 @@ class GradReduce:
         self.grads.begin_accumulate(params)
 
         def job() -> None:
-            with ledger.tagged("asynchzp.grad_reduce_scatter"):
+            with ledger.tagged(self.tag):
                 if self.quantize is not None:
                     mine = scratch(self.scratch, "recv_fp32", width, torch.float32, send.device)
                     quantized.reduce_scatter(mine, send, self.group, self.quantize, self.scratch, segments=sizes)

@@ -20,7 +20,8 @@ given back at the next sequence. Every rank records the same requests, so every 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -61,17 +62,28 @@ class GatherHandle:
             self.owner.pool.release(slot)
 
 
+@dataclass
+class GatherSource:
+    """One family of parameters (`runtime.placement`): its shards, its d_p group, the wire format of its
+    coordinator gathers (quantized_weights) and the refresh jobs a read must wait for."""
+
+    shards: ParamShards
+    group: Group
+    quantize: Optional[QuantFormat]
+    refresh_waits: Callable
+    tag_prefix: str = "asynchzp"
+
+    def tagged(self, tag: str) -> str:
+        return tag if self.tag_prefix == "asynchzp" else tag.replace("asynchzp.", self.tag_prefix + ".", 1)
+
+
 class ParamGather:
-    def __init__(self, shards: ParamShards, group: Group, runner, pool: BufferPool, refresh_waits,
-                 prefetch_depth: int, quantize: Optional[QuantFormat] = None):
-        self.shards, self.group, self.runner, self.pool = shards, group, runner, pool
-        # Wire format of the coordinator's gathers with quantized_weights, else None. Gathers that must be exact
-        # (persistent parameters, GatheredParameters, inspection) never quantize.
-        self.quantize = quantize
-        self.refresh_waits = refresh_waits         # params -> refresh jobs that must finish before a read
+    def __init__(self, sources: Sequence[GatherSource], runner, pool: BufferPool, prefetch_depth: int):
+        self.sources, self.runner, self.pool = list(sources), runner, pool
         self.prefetch_depth = prefetch_depth if runner.is_async else 0
         self.leases: Dict[int, torch.Tensor] = {}  # ds_id -> pool buffer its published full value lives in
         self.scratch = {}                          # send/receive buffers, used only inside gather jobs
+        self._source_of: Dict[int, GatherSource] = {}
         self._recording: List[Tuple[Key, List[torch.nn.Parameter]]] = []
         self._replay: List[Tuple[Key, List[torch.nn.Parameter]]] = []
         self._position: Optional[int] = 0
@@ -79,38 +91,49 @@ class ParamGather:
         # Requests served, of them already prefetched, and sequences that departed from the recording.
         self.stats = {"requests": 0, "prefetched": 0, "departures": 0}
 
+    def source_of(self, param) -> GatherSource:
+        source = self._source_of.get(param.ds_id)
+        if source is None:
+            source = self._source_of[param.ds_id] = next(s for s in self.sources if s.shards.holds(param))
+        return source
+
     # ------------------------------------------------------------------------------ the gather job
     def _submit(self, params: Sequence[torch.nn.Parameter], tag: str, quantize: bool = False):
         params = sorted(params, key=lambda p: p.ds_id)     # the concatenation order is part of the contract
-        by_dtype: Dict[torch.dtype, List[torch.nn.Parameter]] = {}
+        # One collective per family (its own group) and dtype (a concatenation would promote silently).
+        by_key: Dict[tuple, List[torch.nn.Parameter]] = {}
         for param in params:
-            by_dtype.setdefault(self.shards.buffer_of(param).data.dtype, []).append(param)
-        groups = [members for _, members in sorted(by_dtype.items(), key=lambda kv: str(kv[0]))]
-        waits = self.refresh_waits(params)
+            source = self.source_of(param)
+            key = (self.sources.index(source), str(source.shards.buffer_of(param).data.dtype))
+            by_key.setdefault(key, []).append(param)
+        groups = [(self.sources[key[0]], members) for key, members in sorted(by_key.items())]
+        waits = [job for source, members in groups for job in source.refresh_waits(members)]
         # Output buffers are taken here, on the training thread, in program order: which pooled buffer is free
         # then depends only on what the training thread released before, never on thread timing (so the pool
         # stops growing once warmed up); on CUDA the job's stream is ordered after those releases by the event
         # recorded at submit.
-        rows, d_p = self.shards.rows, self.group.size
         slots = {}
-        for param in params:
-            data = self.shards.buffer_of(param).data
-            atom = self.shards.buffer_of(param).columns[param.ds_id].atom
-            slots[param.ds_id] = self.pool.acquire(d_p * rows * atom, data.dtype, data.device)
+        for source, members in groups:
+            rows, d_p = source.shards.rows, source.group.size
+            for param in members:
+                buffer = source.shards.buffer_of(param)
+                slots[param.ds_id] = self.pool.acquire(d_p * rows * buffer.columns[param.ds_id].atom,
+                                                       buffer.data.dtype, buffer.data.device)
 
         def job() -> Dict[int, torch.Tensor]:
             for refresh in waits:
                 refresh.wait()
-            with ledger.tagged(tag):
-                for members in groups:
-                    self._gather(members, slots, self.quantize if quantize else None)
+            for source, members in groups:
+                with ledger.tagged(source.tagged(tag)):
+                    self._gather(members, slots, source, source.quantize if quantize else None)
             return slots
 
-        return self.runner.submit(job, "parameter all-gather", self.group.name)
+        return self.runner.submit(job, "parameter all-gather", ",".join(s.group.name for s, _ in groups))
 
-    def _gather(self, params: List[torch.nn.Parameter], slots: Dict[int, torch.Tensor],
+    def _gather(self, params: List[torch.nn.Parameter], slots: Dict[int, torch.Tensor], source: GatherSource,
                 fmt: Optional[QuantFormat]) -> None:
-        shards, rows, d_p = self.shards, self.shards.rows, self.group.size
+        shards, group = source.shards, source.group
+        rows, d_p = shards.rows, group.size
         atoms = [shards.buffer_of(p).columns[p.ds_id].atom for p in params]
         width = rows * sum(atoms)
         data = shards.buffer_of(params[0]).data
@@ -120,9 +143,9 @@ class ParamGather:
                         out=scratch(self.scratch, "send", width, data.dtype, data.device))
         recv = scratch(self.scratch, "recv", d_p * width, data.dtype, data.device)
         if fmt is not None:
-            quantized.all_gather(recv, send, self.group, fmt, self.scratch, segments=[rows * a for a in atoms])
+            quantized.all_gather(recv, send, group, fmt, self.scratch, segments=[rows * a for a in atoms])
         else:
-            all_gather(recv, send, self.group).wait()
+            all_gather(recv, send, group).wait()
         ops.unpack_gathered(recv, [slots[p.ds_id] for p in params], atoms, d_p, rows)
 
     # --------------------------------------------------------------------- the coordinator's entry points

@@ -68,8 +68,10 @@ class _Chunks:
 
 class StepBoundary:
     def __init__(self, groups: ProcessGroups, bucket_elements: int, runner,
-                 quantization: QuantizationPlan = NO_QUANTIZATION, error_feedback: Optional[ErrorFeedback] = None):
+                 quantization: QuantizationPlan = NO_QUANTIZATION, error_feedback: Optional[ErrorFeedback] = None,
+                 tag_prefix: str = "asynchzp"):
         self.groups = groups
+        self.tag_prefix = tag_prefix
         self.bucket_elements = max(1, int(bucket_elements))
         self.pairwise = not backend_reduce_scatter_is_optimal(groups.grad_boundary)
         self.runner = runner
@@ -157,7 +159,7 @@ class StepBoundary:
         if rows > 1:
             send = scratch(self.scratch, "grad_send", rows * cols, comm_dtype, device).view(rows, cols)
             send.copy_(buffer.data[:, start:end])
-            with ledger.tagged("asynchzp.boundary_grad"):
+            with ledger.tagged(f"{self.tag_prefix}.boundary_grad"):
                 if plan.boundary_grad is not None:
                     total = scratch(self.scratch, "grad_sum", cols, torch.float32, device)
                     residual = (self.error_feedback.columns(start, end) if self.error_feedback is not None
@@ -176,7 +178,7 @@ class StepBoundary:
                     reduce_scatter(total, send.view(-1), boundary).wait()
             own.copy_(total)
         if outer.size > 1:
-            with ledger.tagged("asynchzp.boundary_allreduce"):
+            with ledger.tagged(f"{self.tag_prefix}.boundary_allreduce"):
                 if plan.boundary_allreduce is not None:
                     quantized.all_reduce(own, outer, plan.boundary_allreduce, self.scratch)
                 elif own.dtype == comm_dtype:
@@ -207,7 +209,7 @@ class StepBoundary:
         def job() -> None:
             cols = end - start
             recv = scratch(self.scratch, "param_recv", rows * cols, buffer.data.dtype, buffer.data.device)
-            with ledger.tagged("asynchzp.param_refresh"):
+            with ledger.tagged(f"{self.tag_prefix}.param_refresh"):
                 if fmt is not None:
                     quantized.all_gather(recv, buffer.data[own_row, start:end], group, fmt, self.scratch, segments)
                 else:

@@ -32,8 +32,11 @@ def _world_sizes() -> tuple:
         world = ds_comm.get_world_size()
     else:
         world = int(os.environ.get("WORLD_SIZE", "1"))
-    local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")
-    return world, int(local) if local else None
+    # The launcher's ranks per node. Where LOCAL_WORLD_SIZE and LOCAL_SIZE disagree, the config check decides
+    # (and says so), with the async_hzp.node_size the user gave.
+    values = {os.environ.get(name, "").strip() for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE")} - {""}
+    local = next(iter(values)) if len(values) == 1 else ""
+    return world, int(local) if local.isdigit() else None
 
 
 def _model_numel(model) -> list:

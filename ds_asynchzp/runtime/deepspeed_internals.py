@@ -59,6 +59,7 @@ _REQUIRED_CLASS_MEMBERS = [
     (DeepSpeedZeroOptimizer_Stage3, "step", "the optimizer step"),
     (DeepSpeedZeroOptimizer_Stage3, "_get_param_partition_group", "per-parameter partition group"),
     (DeepSpeedZeroOptimizer_Stage3, "destroy", "releases hooks and buffers"),
+    (DeepSpeedZeroOptimizer_Stage3, "has_overflow", "fp16 overflow check over every family's gradients"),
 ]
 
 
@@ -116,6 +117,7 @@ _STAGE3_INSTANCE_ATTRIBUTES = [
     ("persistent_parameters", "ZeRO-3 persistent parameters, re-gathered after each step"),
     ("grad_partitions_flat_buffer", "the flat gradient partition buffer, made a view of the gradient shard"),
     ("lp_param_buffer", "the flat parameter buffer, made a view of the parameter shard"),
+    ("dp_process_group", "the optimizer group of the dense parameters (fp16 overflow check)"),
     ("fp16_groups", "the trainable parameters in flat-buffer order"),
     ("fp16_partitioned_groups_flat", "the per-sub-group views of the flat parameter buffer"),
     ("reduce_scatter", "zero_optimization.reduce_scatter"),
@@ -150,30 +152,26 @@ def stage3_persistent_parameters(optimizer):
     return optimizer.persistent_parameters
 
 
-def rehome_stage3_param_flat(optimizer: DeepSpeedZeroOptimizer_Stage3, flat) -> None:
-    """Make `flat` Stage 3's flat parameter buffer (the per-sub-group flats become views into it)."""
-    optimizer.lp_param_buffer = flat
+def rehome_stage3_param_flats(optimizer: DeepSpeedZeroOptimizer_Stage3, sub_group_flats, whole) -> None:
+    """Stage 3's per-sub-group flat parameter buffers become `sub_group_flats` (views into our shards), its whole
+    flat buffer `whole` (the one own row that holds them all, or None when they live in several shards: only
+    offload, which async_hzp refuses, reads it after construction)."""
+    optimizer.lp_param_buffer = whole
     optimizer.fp16_partitioned_groups_flat.clear()
-    optimizer._set_fp16_partitioned_groups_flat()
+    optimizer.fp16_partitioned_groups_flat.extend(sub_group_flats)
 
 
-def stage3_param_flat(optimizer: DeepSpeedZeroOptimizer_Stage3):
-    return optimizer.lp_param_buffer
-
-
-def rehome_stage3_grad_flat(optimizer: DeepSpeedZeroOptimizer_Stage3, flat, params_in_flat_order) -> None:
-    """Make `flat` Stage 3's gradient partition buffer; each parameter's gradient partition a view into it."""
-    optimizer.grad_partitions_flat_buffer = flat
+def rehome_stage3_grad_partitions(optimizer: DeepSpeedZeroOptimizer_Stage3, partition_of_param: dict, whole) -> None:
+    """Each parameter's gradient partition becomes `partition_of_param[ds_id]` (a view into our gradient shard),
+    and Stage 3's flat gradient buffer `whole` (read by its fp16 overflow check)."""
+    optimizer.grad_partitions_flat_buffer = whole
     by_id = getattr(optimizer, STAGE3_GRAD_PARTITION_BY_PARAM_ID)
-    offset = 0
-    for param in params_in_flat_order:
-        by_id[param.ds_id] = flat.narrow(0, offset, param.partition_numel())
-        offset += param.partition_numel()
+    by_id.update(partition_of_param)
 
 
-def stage3_trainable_params_in_flat_order(optimizer: DeepSpeedZeroOptimizer_Stage3):
-    """Parameters in the order of Stage 3's flat parameter and gradient buffers."""
-    return [param for sub_group in optimizer.fp16_groups for param in sub_group]
+def stage3_sub_groups(optimizer: DeepSpeedZeroOptimizer_Stage3):
+    """Stage 3's trainable sub-groups (each one partition group), in the order of its flat buffers."""
+    return optimizer.fp16_groups
 
 
 # ------------------------------------------------------------------------------------------ parameter state
@@ -265,7 +263,7 @@ def stage3_model_state_tensors(optimizer, module) -> dict:
         "param_secondary": [p.ds_secondary_tensor for p in params if p.ds_secondary_tensor is not None],
         "master": [t for t in optimizer.fp32_partitioned_groups_flat if t is not None],
         "optimizer_state": optimizer_state,
-        "grad_primary": [optimizer.grad_partitions_flat_buffer],
+        "grad_primary": [t for t in [optimizer.grad_partitions_flat_buffer] if t is not None],
     }
 
 
@@ -287,7 +285,7 @@ __all__ = [
     "DeepSpeedEngine", "DeepSpeedZeroOptimizer_Stage3", "ZeroParamStatus", "SUPPORTED_DEEPSPEED_VERSION",
     "DeepSpeedInternalsError", "engine_class_swapped", "stage3_optimizer_class_swapped",
     "check_stage3_instance", "stage3_bucket_params", "stage3_persistent_parameters",
-    "rehome_stage3_param_flat", "stage3_param_flat", "rehome_stage3_grad_flat", "stage3_trainable_params_in_flat_order",
+    "rehome_stage3_param_flats", "rehome_stage3_grad_partitions", "stage3_sub_groups",
     "is_zero_param", "mark_inflight", "mark_available", "is_available", "partition_group_of", "repartition",
     "install_param_hooks", "restore_param_hooks", "stage3_model_state_tensors", "backend_name", "comm_backend",
     "ds_comm",
@@ -306,3 +304,63 @@ def engine_zero_param_shapes(engine) -> list:
 
 
 __all__ += ["engine_zero_param_shapes"]
+
+
+# --------------------------------------------------------------------------------------- AutoEP's experts
+# AutoEP (`expert_parallel`) marks each routed-expert parameter with a placement family and the name of its
+# expert-parallel group; the engine resolves every parameter's ZeRO-3 partition group from them before the
+# optimizer exists (DeepSpeedEngine._resolve_zero3_param_placement): the expert-data-parallel group for experts,
+# the data-parallel group for everything else.
+AUTOEP_EXPERT_FAMILY = "autoep_expert"
+REPLICATED_FAMILY = "replicated"
+
+
+def placement_family(param) -> str:
+    return getattr(param, "ds_zero_placement_family", REPLICATED_FAMILY)
+
+
+def expert_group_name(param):
+    return getattr(param, "ds_zero_partition_group_name", getattr(param, "group_name", None))
+
+
+def resolved_partition_group(param):
+    """The group DeepSpeed partitions `param` over: resolved by the engine, or fixed at zero.Init conversion."""
+    group = getattr(param, "ds_zero_partition_process_group", None)
+    return group if group is not None else getattr(param, "ds_process_group", None)
+
+
+def expert_data_parallel_group(name: str):
+    from deepspeed.utils import groups
+    return groups._get_expert_data_parallel_group(name)
+
+
+def autoep_groups() -> tuple:
+    """(expert-parallel groups, expert-data-parallel groups) this rank belongs to, as tuples of global ranks
+    (empty without AutoEP): the token all-to-all runs on the former, experts are partitioned over the latter."""
+    from deepspeed.utils import groups
+    expert = [tuple(group_ranks(g)) for g in groups._get_expert_parallel_group_dict().values()]
+    data = [tuple(group_ranks(g)) for g in groups._get_expert_data_parallel_group_dict().values()]
+    return expert, data
+
+
+def group_ranks(group) -> list:
+    """Global ranks of a process group, in group-rank order (None: the world)."""
+    size = ds_comm.get_world_size(group=group)
+    if group is None:
+        return list(range(size))
+    return [ds_comm.get_global_rank(group, r) for r in range(size)]
+
+
+def _check_autoep_internals() -> None:
+    from deepspeed.utils import groups
+    missing = [name for name in ("_get_expert_data_parallel_group", "_get_expert_parallel_group",
+                                 "_get_expert_parallel_group_dict", "_get_expert_data_parallel_group_dict")
+               if not hasattr(groups, name)]
+    if not hasattr(DeepSpeedEngine, "_resolve_zero3_param_placement"):
+        missing.append("DeepSpeedEngine._resolve_zero3_param_placement")
+    if missing:
+        raise DeepSpeedInternalsError("ds_asynchzp cannot use the installed DeepSpeed: AutoEP's " + ", ".join(missing)
+                                      + " moved (expert parameter placement)")
+
+
+_check_autoep_internals()

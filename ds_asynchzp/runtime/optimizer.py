@@ -4,52 +4,76 @@ Subclassing Stage 3 (rather than writing a new engine) keeps everything the engi
 optimizer's type: loss scaling, clipping, checkpoint format, `zero.Init` parameters, HF integration. What
 changes, and where:
 
-* construction: DeepSpeed partitions over the optimizer group (d_o ranks), and its flat parameter and gradient
-  buffers become the own rows of our shard buffers (`ParamShards`, `GradShards`): every state exists once;
-* per micro-step: the coordinator's gathers read the parameter shards inside the d_p group (`ParamGather`,
-  on the gather thread, prefetched); each gradient bucket is packed on the training thread, then reduced
-  inside the d_g group and added to the gradient shard on the reduce thread (`GradReduce`);
-* once per step: the gradient sum across nodes, chunk by chunk as the last backward of the window completes
-  them (`StepBoundary.grads_complete`, on the boundary thread); the stock step once every chunk is summed
-  (with gradient clipping the global norm needs all of them, so the step waits for the last); then the
-  parameter refresh, submitted chunk by chunk and waited for by each gather that reads a chunk, so it
-  overlaps the next forward; ZeRO-3 persistent parameters are regathered in place once.
+* construction: the parameters are split into families (`placement.py`: the dense ones, and AutoEP's routed
+  experts of each expert-data-parallel group), each with its own layout and groups. DeepSpeed partitions each
+  family over its optimizer group, and its flat parameter and gradient buffers become the own rows of each
+  family's shard buffers (`ParamShards`, `GradShards`): every state exists once;
+* per micro-step: the coordinator's gathers read the parameter shards inside each family's d_p group
+  (`ParamGather`, on the gather thread, prefetched); each gradient bucket (one family: Stage 3 flushes a bucket
+  when the partition group changes) is packed on the training thread, then reduced inside the family's d_g
+  group and added to its gradient shard on the reduce thread (`GradReduce`);
+* once per step: per family, the gradient sum across nodes, chunk by chunk as the last backward of the window
+  completes them (`StepBoundary.grads_complete`, on the boundary thread); the stock step once every chunk is
+  summed (with gradient clipping the global norm needs all of them, so the step waits for the last); then the
+  parameter refresh, submitted chunk by chunk and waited for by each gather that reads a chunk, so it overlaps
+  the next forward; ZeRO-3 persistent parameters are regathered in place once.
 
 Threads, streams and their groups come from `ds_asynchzp.scheduler.context`; with `async_comm: false` the same
 jobs run inline, in the same order.
 
-Who owns what: DeepSpeed owns the fp32 master atoms and Adam moments (12 bytes per parameter / d_o) and
-the logic of the step; `ParamShards` owns every low-precision parameter byte, `GradShards` every gradient
-byte, `ProcessGroups` every group.
+Who owns what: DeepSpeed owns the fp32 master atoms and Adam moments (12 bytes per parameter / d_o) and the
+logic of the step; each `Placement`'s `ParamShards` owns its family's low-precision parameter bytes, its
+`GradShards` the gradient bytes, its `ProcessGroups` the groups.
 """
 
 from __future__ import annotations
 
-from typing import List
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
 
 import torch
 
-from ..config import ResolvedLayout
-from ..layout import HierarchicalLayout
 from ..accounting import ledger
 from ..comm.collectives import broadcast
 from ..comm.grad_reduce import GradReduce
-from ..comm.param_gather import ParamGather
+from ..comm.param_gather import GatherSource, ParamGather
 from ..comm.step_boundary import StepBoundary
+from ..config import ResolvedLayout
+from ..quantization import QuantizationPlan
 from ..scheduler.context import CommContext
 from ..state.buffer_pool import BufferPool
 from ..state.error_feedback import ErrorFeedback
 from ..state.grad_shards import GradShards, Window
 from ..state.param_shards import ParamShards
+from ..state.sharded_buffer import ShardedBuffer
 from .deepspeed_internals import (STAGE3_AVG_SCATTER_CONTIGUOUS_GRADS, STAGE3_AVG_SCATTER_GRADS,
                                   DeepSpeedZeroOptimizer_Stage3, at_accumulation_boundary, check_stage3_instance,
-                                  ds_comm,
-                                  install_param_hooks, is_available, is_zero_param, partition_group_of,
-                                  rehome_stage3_grad_flat,
-                                  rehome_stage3_param_flat, repartition, restore_param_hooks, stage3_bucket_params,
-                                  stage3_param_flat, stage3_persistent_parameters,
-                                  stage3_trainable_params_in_flat_order)
-from .process_groups import build_process_groups
+                                  ds_comm, install_param_hooks, is_available, is_zero_param, partition_group_of,
+                                  rehome_stage3_grad_partitions, rehome_stage3_param_flats, repartition,
+                                  restore_param_hooks, stage3_bucket_params, stage3_persistent_parameters,
+                                  stage3_sub_groups)
+from .placement import Family, families_of
+from .process_groups import ProcessGroups, build_process_groups
+
+
+@dataclass
+class Placement:
+    """One family's layout, groups, shards and flows (`placement.py` says which families there are)."""
+
+    family: Family
+    groups: ProcessGroups
+    shards: ParamShards
+    quantization: QuantizationPlan
+    other_groups: List[ProcessGroups] = field(default_factory=list)  # the family's groups this rank is not in
+    trainable: Optional[ShardedBuffer] = None
+    grads: Optional[GradShards] = None
+    reduce: Optional[GradReduce] = None
+    boundary: Optional[StepBoundary] = None
+    error_feedback: Optional[ErrorFeedback] = None
+    repartitioned_from: Dict[int, object] = field(default_factory=dict)
+
+    def owns(self, param) -> bool:
+        return id(param) in self.family.param_ids
 
 
 class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
@@ -62,83 +86,154 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         if layout is None:
             raise RuntimeError("HierarchicalZeroOptimizer needs a resolved layout; build it with optimizer_class_for()")
         dp_handle = kwargs.get("dp_process_group") or ds_comm.get_world_group()
-        dp_ranks = [ds_comm.get_global_rank(dp_handle, r) for r in range(ds_comm.get_world_size(group=dp_handle))]
-        self.hzp_grid = HierarchicalLayout(layout.world_size, layout.node_size, layout.param_shard_size,
-                                           layout.grad_shard_size, layout.optimizer_shard_size)
-        # Every group exists before Stage 3's constructor runs: it calls the hooks below, which need them.
-        self.hzp_groups = build_process_groups(self.hzp_grid, dp_ranks, dp_handle)
-        self.hzp_params = ParamShards(self.hzp_grid, self.hzp_groups.dp_rank)
-        self.hzp_grads: GradShards = None
-        self.hzp_trainable_buffer = None
-        self._hzp_repartitioned_from = {}
+        self.hzp_grid = layout.grid()
+        # Families are classified (and foreign partition groups refused) before Stage 3 partitions anything; every
+        # group exists before Stage 3's constructor runs: it calls the hooks below, which need them.
+        self.hzp_placements: List[Placement] = []
+        for family in families_of(module, dp_handle, self.hzp_grid):
+            self.hzp_placements.append(self._hzp_build_placement(family, layout))
+        self.hzp_dense = self.hzp_placements[0]
+        self._hzp_placement_of: Dict[int, Placement] = {}
         self._hzp_in_step = False
-        kwargs["dp_process_group"] = self.hzp_groups.optimizer.handle
+        kwargs["dp_process_group"] = self.hzp_dense.groups.optimizer.handle
         super().__init__(module, init_optimizer, *args, **kwargs)
         check_stage3_instance(self)
         if self.gradient_predivide_factor != 1.0 or not self.postscale_gradients:
             raise RuntimeError("async_hzp averages gradients by dividing before the sum, as ZeRO-3's default does; "
                                "remove gradient_predivide_factor / prescale_gradients from the ds_config")
 
-        frozen = [p for p in module.parameters() if is_zero_param(p) and not self.hzp_params.holds(p)]
-        self.hzp_params.adopt_frozen(frozen)
-        device = self.hzp_trainable_buffer.data.device
+        for placement in self.hzp_placements:
+            frozen = [p for p in module.parameters() if is_zero_param(p) and placement.owns(p)
+                      and not placement.shards.holds(p)]
+            placement.shards.adopt_frozen(frozen)
+        device = self.hzp_dense.trainable.data.device if self.hzp_dense.trainable is not None else \
+            next(p.ds_tensor.device for p in module.parameters() if is_zero_param(p))
         self.hzp_comm = CommContext(layout.async_comm, layout.comm_timeout_s, device, ds_comm.get_rank(),
                                     ds_comm.get_world_size())
         bucket = layout.boundary_bucket_size or max(int(self.reduce_bucket_size), 1)
-        self.hzp_quantization = layout.quantization_plan()
-        self.hzp_error_feedback = (ErrorFeedback(self.hzp_grads.buffer.rows, self.hzp_grads.buffer.width, device)
-                                   if self.hzp_quantization.error_feedback else None)
-        self.hzp_boundary = StepBoundary(self.hzp_groups, bucket, self.hzp_comm.boundary, self.hzp_quantization,
-                                         self.hzp_error_feedback)
+        for placement in self.hzp_placements:
+            self._hzp_build_flows(placement, bucket, layout.world_size, device)
         self.hzp_pool = BufferPool()
-        self.hzp_gather = ParamGather(self.hzp_params, self.hzp_groups.param_shard, self.hzp_comm.gather,
-                                      self.hzp_pool, self.hzp_boundary.refresh_waits, layout.prefetch_depth,
-                                      self.hzp_quantization.param_gather)
-        self.hzp_reduce = GradReduce(self.hzp_grads, self.hzp_groups.grad_shard, layout.world_size,
-                                     self.reduce_scatter, self.hzp_comm.reduce,
-                                     self.hzp_quantization.grad_reduce_scatter)
-        self.hzp_boundary.refresh_params(self.hzp_params.buffers, exact=True)
-        for param in self.hzp_params.params:
-            install_param_hooks(param, self.hzp_gather.all_gather_coalesced, self._hzp_parameter_updated,
-                                self.hzp_gather.released)
+        self.hzp_gather = ParamGather(
+            [GatherSource(p.shards, p.groups.param_shard, p.quantization.param_gather, p.boundary.refresh_waits,
+                          p.family.tag) for p in self.hzp_placements],
+            self.hzp_comm.gather, self.hzp_pool, layout.prefetch_depth)
+        for placement in self.hzp_placements:
+            placement.boundary.refresh_params(placement.shards.buffers, exact=True)
+            for param in placement.shards.params:
+                self._hzp_placement_of[param.ds_id] = placement
+                install_param_hooks(param, self.hzp_gather.all_gather_coalesced, self._hzp_parameter_updated,
+                                    self.hzp_gather.released)
         if layout.log_layout and ds_comm.get_rank() == 0:
             print(f"[ds_asynchzp] {layout.describe()}", flush=True)
+            for placement in self.hzp_placements[1:]:
+                plan = placement.quantization
+                print(f"[ds_asynchzp] {placement.family.describe()}" + (f"; {plan.describe()}" if plan.any else ""),
+                      flush=True)
 
-    # ------------------------------------------------------------------------- construction hooks
+    # ------------------------------------------------------------------------- construction
+    def _hzp_build_placement(self, family: Family, layout: ResolvedLayout) -> Placement:
+        """Create the family's groups (every group of every rank's instance of it, in one order on every rank)."""
+        mine, others = None, []
+        for ranks in family.every_group:
+            handle = family.partition_handle if ranks == family.dp_ranks else None
+            groups = build_process_groups(family.layout, list(ranks), handle, family.group_prefix)
+            if groups.member:
+                mine = groups
+            else:
+                others.append(groups)
+        return Placement(family, mine, ParamShards(family.layout, mine.dp_rank),
+                         layout.quantization_plan(family.layout), others)
+
+    def _hzp_build_flows(self, placement: Placement, bucket: int, world: int, device) -> None:
+        plan = placement.quantization
+        if plan.error_feedback and placement.grads is not None:
+            placement.error_feedback = ErrorFeedback(placement.grads.buffer.rows, placement.grads.buffer.width,
+                                                     device)
+        placement.boundary = StepBoundary(placement.groups, bucket, self.hzp_comm.boundary, plan,
+                                          placement.error_feedback, placement.family.tag)
+        if placement.grads is not None:
+            # Gradients are averaged over the whole data-parallel world, experts too (as DeepSpeed does).
+            placement.reduce = GradReduce(placement.grads, placement.groups.grad_shard, world, self.reduce_scatter,
+                                          self.hzp_comm.reduce, plan.grad_reduce_scatter, placement.family.tag)
+
+    @property
+    def hzp_error_feedback(self) -> Optional[ErrorFeedback]:
+        """The dense family's error-feedback residual (checkpoints save every family's: `hzp_error_feedbacks`)."""
+        return self.hzp_dense.error_feedback
+
+    def hzp_error_feedbacks(self) -> Dict[str, ErrorFeedback]:
+        return {p.family.name: p.error_feedback for p in self.hzp_placements if p.error_feedback is not None}
+
+    def _hzp_trainable_placements(self) -> List[Placement]:
+        return [p for p in self.hzp_placements if p.grads is not None]
+
     def initialize_ds_offload(self, *args, **kwargs):
         offload = super().initialize_ds_offload(*args, **kwargs)
-        group = self.hzp_groups.optimizer
-        if group.size < self.hzp_grid.world:
-            # zero.Init (or the conversion above) partitioned over the whole data-parallel world, from rank 0's
-            # weights; re-cut every parameter over its optimizer group.
-            params = [p for p in args[0].parameters() if is_zero_param(p)] if args else \
-                [p for p in kwargs["module"].parameters() if is_zero_param(p)]
-            for param in params:
-                self._hzp_repartitioned_from[param.ds_id] = partition_group_of(param)
-            repartition(params, group.handle)
+        module = args[0] if args else kwargs["module"]
+        for placement in self.hzp_placements:
+            group = placement.groups.optimizer
+            if group.size < placement.family.layout.world:
+                # zero.Init (or the conversion above) partitioned over the whole data-parallel world, from rank 0's
+                # weights; re-cut every parameter of the family over its optimizer group.
+                params = [p for p in module.parameters() if is_zero_param(p) and placement.owns(p)]
+                for param in params:
+                    placement.repartitioned_from[param.ds_id] = partition_group_of(param)
+                repartition(params, group.handle)
         return offload
 
     def _create_fp16_partitions_with_defragmentation(self, fp16_param_groups):
         super()._create_fp16_partitions_with_defragmentation(fp16_param_groups)
-        params = stage3_trainable_params_in_flat_order(self)
-        self.hzp_trainable_buffer = self.hzp_params.adopt_trainable(params, stage3_param_flat(self))
-        rehome_stage3_param_flat(self, self.hzp_trainable_buffer.own)
+        # Each sub-group holds one partition group's parameters, hence one family's; a family's buffer takes its
+        # sub-groups in Stage 3's order, so each sub-group's flat buffer is a column range of one own row.
+        sub_groups = stage3_sub_groups(self)
+        for placement in self.hzp_placements:
+            params = [p for group in sub_groups for p in group if placement.owns(p)]
+            if params:
+                placement.trainable = placement.shards.adopt_trainable(params)
+        flats = []
+        for group in sub_groups:
+            placement = next(p for p in self.hzp_placements if p.owns(group[0]))
+            first = placement.trainable.columns[group[0].ds_id].offset
+            flats.append(placement.trainable.own.narrow(0, first, sum(p.partition_numel() for p in group)))
+        trainable = self._hzp_trainable_owners()
+        rehome_stage3_param_flats(self, flats, trainable[0].trainable.own if len(trainable) == 1 else None)
+
+    def _hzp_trainable_owners(self) -> List[Placement]:
+        return [p for p in self.hzp_placements if p.trainable is not None]
 
     def _setup_for_real_optimizer(self):
         super()._setup_for_real_optimizer()
-        params = stage3_trainable_params_in_flat_order(self)
-        self.hzp_grads = GradShards(self.hzp_grid, self.hzp_groups.dp_rank, params,
-                                    self.gradient_accumulation_dtype, self.grad_partitions_flat_buffer.device)
-        rehome_stage3_grad_flat(self, self.hzp_grads.own, params)
+        views = {}
+        for placement in self._hzp_trainable_owners():
+            params = placement.trainable.params
+            placement.grads = GradShards(placement.family.layout, placement.groups.dp_rank, params,
+                                         self.gradient_accumulation_dtype, self.grad_partitions_flat_buffer.device)
+            for param in params:
+                views[param.ds_id] = placement.grads.buffer.own_atom(param)
+        owners = self._hzp_trainable_owners()
+        # Stage 3 reads its flat gradient buffer only in the fp16 overflow check, which `has_overflow` below
+        # replaces when the gradients live in several shards.
+        rehome_stage3_grad_partitions(self, views, owners[0].grads.own if len(owners) == 1 else None)
+
+    def has_overflow(self, partition_gradients=True):
+        owners = self._hzp_trainable_owners()
+        if not partition_gradients or len(owners) <= 1:
+            return super().has_overflow(partition_gradients)
+        local = any(bool(torch.isinf(p.grads.own).any() or torch.isnan(p.grads.own).any()) for p in owners)
+        flag = torch.tensor([1 if local else 0], dtype=torch.uint8, device=owners[0].grads.own.device)
+        ds_comm.all_reduce(flag, op=ds_comm.ReduceOp.MAX)   # every rank: the experts' groups differ
+        return bool(flag.item())
 
     # ----------------------------------------------------------------------------- per micro-step
     @torch.no_grad()
-    def _hzp_reduce_bucket(self, params_to_reduce, communication_data_type: torch.dtype) -> List[torch.Tensor]:
-        """Replaces Stage 3's bucket reduce-scatter over the world: reduce inside the grad shard group, in the
-        background; in the last backward of the window, start each completed chunk's cross-node sum."""
-        job = self.hzp_reduce.reduce_bucket(params_to_reduce, communication_data_type)
+    def _hzp_reduce_bucket(self, params_to_reduce, communication_data_type: torch.dtype) -> list:
+        """Replaces Stage 3's bucket reduce-scatter over the world: reduce inside the family's grad shard group,
+        in the background; in the last backward of the window, start each completed chunk's cross-node sum."""
+        placement = self._hzp_placement_of[params_to_reduce[0].ds_id]
+        job = placement.reduce.reduce_bucket(params_to_reduce, communication_data_type)
         if at_accumulation_boundary(self):
-            self.hzp_boundary.grads_complete(self.hzp_grads, params_to_reduce, job, self.communication_data_type)
+            placement.boundary.grads_complete(placement.grads, params_to_reduce, job, self.communication_data_type)
         return [None] * len(params_to_reduce)
 
     @torch.no_grad()
@@ -159,25 +254,29 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         from rank r of the parameter's partition group; with d_o < N that group is one optimizer group of
         several, so the first group's value is broadcast to the others, as stock ZeRO-3 has one source for all."""
         self._hzp_quiesce_params()
-        outer = self.hzp_groups.outer_replica
+        placement = self._hzp_placement_of[param.ds_id]
+        outer = placement.groups.outer_replica
         if outer.size > 1:
             def job():
-                with ledger.tagged("asynchzp.modified_parameter"):
+                with ledger.tagged(f"{placement.family.tag}.modified_parameter"):
                     broadcast(full.data, outer, 0).wait()
             self.hzp_comm.boundary.submit(job, "modified-parameter broadcast", outer.name).wait()
-        self.hzp_params.set_full(param, full)
+        placement.shards.set_full(param, full)
 
     def _hzp_quiesce_params(self) -> None:
         """Before the parameter shards are rewritten: no gather may read them, no refresh may write them."""
         self.hzp_gather.pause()
-        self.hzp_boundary.wait_refresh()
+        for placement in self.hzp_placements:
+            placement.boundary.wait_refresh()
 
     def hzp_buffer_allocations(self) -> dict:
         """Buffers the communication path has allocated so far, by pool (constant once warmed up)."""
-        return {"gathered_params": self.hzp_pool.allocations, "grad_staging": self.hzp_reduce.staging.allocations,
+        trainable = self._hzp_trainable_placements()
+        return {"gathered_params": self.hzp_pool.allocations,
+                "grad_staging": sum(p.reduce.staging.allocations for p in trainable),
                 "gather_scratch": self.hzp_gather.scratch.get("allocations", 0),
-                "reduce_scratch": self.hzp_reduce.scratch.get("allocations", 0),
-                "boundary_scratch": self.hzp_boundary.scratch.get("allocations", 0)}
+                "reduce_scratch": sum(p.reduce.scratch.get("allocations", 0) for p in trainable),
+                "boundary_scratch": sum(p.boundary.scratch.get("allocations", 0) for p in self.hzp_placements)}
 
     def hzp_new_micro_step(self) -> None:
         """The engine's forward starts a micro-step: the prefetch replays the recorded fetch order."""
@@ -186,19 +285,24 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
     # -------------------------------------------------------------------------- accumulation window
     def hzp_start_window_reduction(self) -> None:
         """The window's last backward is over: submit the cross-node sum of every chunk not yet submitted."""
-        if self.hzp_grads.window is Window.ACCUMULATING:
-            self.hzp_boundary.submit_remaining(self.hzp_grads, self.communication_data_type, self.hzp_reduce.inflight)
+        for placement in self._hzp_trainable_placements():
+            if placement.grads.window is Window.ACCUMULATING:
+                placement.boundary.submit_remaining(placement.grads, self.communication_data_type,
+                                                    placement.reduce.inflight)
 
     def hzp_finish_window(self) -> None:
         """Sum the window's gradients across nodes into the owners' atoms and wait (collective; idempotent)."""
         self.hzp_start_window_reduction()
-        self.hzp_reduce.drain()
-        self.hzp_boundary.wait_grads()
+        for placement in self._hzp_trainable_placements():
+            placement.reduce.drain()
+        for placement in self._hzp_trainable_placements():
+            placement.boundary.wait_grads()
 
     def _hzp_discard_window(self) -> None:
-        self.hzp_reduce.drain()
-        self.hzp_boundary.end_window()
-        self.hzp_grads.clear()
+        for placement in self._hzp_trainable_placements():
+            placement.reduce.drain()
+            placement.boundary.end_window()
+            placement.grads.clear()
 
     def finalize_gradient_accumulation_boundary(self):
         super().finalize_gradient_accumulation_boundary()
@@ -207,14 +311,16 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
     def zero_grad(self, set_to_none=True):
         super().zero_grad(set_to_none=set_to_none)
         # Inside step(), Stage 3 calls zero_grad after the boundary while it still reads the own atoms.
-        if not self._hzp_in_step and self.hzp_grads is not None and self.hzp_grads.window is not Window.EMPTY:
+        if not self._hzp_in_step and any(p.grads is not None and p.grads.window is not Window.EMPTY
+                                         for p in getattr(self, "hzp_placements", [])):
             self._hzp_discard_window()
 
     def step(self, closure=None):
         self.hzp_gather.pause()
         self.hzp_finish_window()
         # The previous refresh reads the own atoms the step is about to overwrite.
-        self.hzp_boundary.wait_refresh()
+        for placement in self.hzp_placements:
+            placement.boundary.wait_refresh()
         self._hzp_in_step = True
         try:
             return super().step(closure)
@@ -225,8 +331,9 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
     def _post_step(self, timer_names):
         # Stock Stage 3 re-gathers persistent parameters over the partition group and drops hpZ secondaries
         # here; instead the parameter shards are refreshed from the updated atoms, in the background.
-        self.hzp_params.zero_padding()
-        self.hzp_boundary.start_refresh([self.hzp_trainable_buffer])
+        for placement in self._hzp_trainable_owners():
+            placement.shards.zero_padding()
+            placement.boundary.start_refresh([placement.trainable])
         self._hzp_regather_persistent(gather_missing=True)
         self.timers.log(timer_names)
 
@@ -283,10 +390,12 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
     def _hzp_refresh_loaded(self) -> None:
         """After a checkpoint load: the trainable shards refreshed as after a step (quantized where the step's
         refresh is), so a resumed run holds exactly what the saved run held; frozen ones exactly, as built."""
-        self.hzp_params.zero_padding()
-        frozen = [buffer for buffer in self.hzp_params.buffers if buffer is not self.hzp_trainable_buffer]
-        self.hzp_boundary.start_refresh([self.hzp_trainable_buffer])
-        self.hzp_boundary.refresh_params(frozen, exact=True)
+        for placement in self.hzp_placements:
+            placement.shards.zero_padding()
+            frozen = [b for b in placement.shards.buffers if b is not placement.trainable]
+            if placement.trainable is not None:
+                placement.boundary.start_refresh([placement.trainable])
+            placement.boundary.refresh_params(frozen, exact=True)
 
     def checkpoint_event_epilogue(self):
         # As stock: persistent parameters come back gathered after a checkpoint save or load.
@@ -296,30 +405,34 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
     def destroy(self):
         # Every job finishes (its failure, if any, surfaces here) before the threads stop.
         try:
-            self.hzp_reduce.drain()
-            self.hzp_boundary.end_window()
+            for placement in self._hzp_trainable_placements():
+                placement.reduce.drain()
+                placement.boundary.end_window()
             self._hzp_quiesce_params()
         finally:
             self.hzp_comm.close()
             self.hzp_pool.clear()
         super().destroy()
-        params = self.hzp_params.params
-        for param in params:
-            restore_param_hooks(param)
-        # Give each DeepSpeed partition its own storage again, so the shard buffers can go and a later engine
-        # on the same module starts from the current weights.
-        for param in params:
-            param.ds_tensor.data = param.ds_tensor.data.clone()
-        groups = {}
-        for param in params:
-            original = self._hzp_repartitioned_from.get(param.ds_id)
-            if original is not None:
-                groups.setdefault(id(original), (original, []))[1].append(param)
-        for original, members in groups.values():
-            repartition(members, original)
-        self.hzp_params.buffers.clear()
-        self.hzp_grads = None
-        self.hzp_groups.destroy()
+        for placement in self.hzp_placements:
+            params = placement.shards.params
+            for param in params:
+                restore_param_hooks(param)
+            # Give each DeepSpeed partition its own storage again, so the shard buffers can go and a later engine
+            # on the same module starts from the current weights.
+            for param in params:
+                param.ds_tensor.data = param.ds_tensor.data.clone()
+            originals = {}
+            for param in params:
+                original = placement.repartitioned_from.get(param.ds_id)
+                if original is not None:
+                    originals.setdefault(id(original), (original, []))[1].append(param)
+            for original, members in originals.values():
+                repartition(members, original)
+            placement.shards.buffers.clear()
+            placement.grads = None
+            placement.groups.destroy()
+            for groups in placement.other_groups:
+                groups.destroy()
 
 
 setattr(HierarchicalZeroOptimizer, STAGE3_AVG_SCATTER_GRADS, HierarchicalZeroOptimizer._hzp_reduce_bucket)

@@ -46,6 +46,7 @@ class ProcessGroups:
     grad_boundary: Group = None               # once per step: gradient sum into the owner (d_o / d_g ranks)
     outer_replica: Group = None               # once per step, d_o < N: all-reduce over optimizer replicas
     created: List[object] = field(default_factory=list)
+    member: bool = True                       # whether this rank belongs to the family these groups serve
 
     def destroy(self) -> None:
         for handle in self.created:
@@ -61,14 +62,18 @@ OWNER = {"param_shard": "gather", "grad_shard": "reduce", "optimizer": "training
          "grad_boundary": "boundary", "outer_replica": "boundary"}
 
 
-def build_process_groups(layout: HierarchicalLayout, dp_global_ranks: List[int], dp_handle) -> ProcessGroups:
-    """Create every group of `layout`; `dp_global_ranks[i]` is the global rank of data-parallel rank i."""
+def build_process_groups(layout: HierarchicalLayout, dp_global_ranks: List[int], dp_handle,
+                         family: str = "") -> ProcessGroups:
+    """Create every group of `layout`; `dp_global_ranks[i]` is the global rank of data-parallel rank i of the
+    family (its layout's world). A rank outside `dp_global_ranks` still creates every group, since group
+    creation is collective over the whole world; its record then has `member` false and no group of its own.
+    `family` prefixes the groups' names ("expert." for AutoEP's experts)."""
     me = ds_comm.get_rank()
     if len(dp_global_ranks) != layout.world:
         raise RuntimeError(f"async_hzp layout was resolved for a data-parallel world of {layout.world} ranks, but "
                            f"DeepSpeed's data-parallel group has {len(dp_global_ranks)}")
-    dp_rank = dp_global_ranks.index(me)
-    groups = ProcessGroups(layout=layout, dp_rank=dp_rank)
+    member = me in dp_global_ranks
+    groups = ProcessGroups(layout=layout, dp_rank=dp_global_ranks.index(me) if member else -1)
     cache: Dict[Tuple[str, Tuple[int, ...]], object] = {}
 
     def make(name: str, all_groups: List[List[int]], reuse: Optional[object] = None) -> Group:
@@ -77,7 +82,9 @@ def build_process_groups(layout: HierarchicalLayout, dp_global_ranks: List[int],
             ranks = tuple(dp_global_ranks[r] for r in dp_ranks)
             handle = None
             if len(ranks) > 1:
-                if reuse is not None and len(ranks) == layout.world:
+                if name == "optimizer" and len(ranks) == layout.world:
+                    # DeepSpeed's own partition group: created by DeepSpeed on every rank already (`reuse` is None
+                    # on ranks outside it, which then have nothing to create either).
                     handle = reuse
                 elif (OWNER[name], ranks) in cache:
                     handle = cache[OWNER[name], ranks]
@@ -85,7 +92,7 @@ def build_process_groups(layout: HierarchicalLayout, dp_global_ranks: List[int],
                     handle = cache[OWNER[name], ranks] = ds_comm.new_group(list(ranks))
                     groups.created.append(handle)
             if me in ranks:
-                mine = Group(name, ranks, handle, ranks.index(me), layout.spans_nodes(list(dp_ranks)))
+                mine = Group(family + name, ranks, handle, ranks.index(me), layout.spans_nodes(list(dp_ranks)))
         return mine
 
     groups.param_shard = make("param_shard", layout.param_shard_groups())
@@ -94,4 +101,5 @@ def build_process_groups(layout: HierarchicalLayout, dp_global_ranks: List[int],
     groups.param_refresh = make("param_refresh", layout.param_refresh_groups())
     groups.grad_boundary = make("grad_boundary", layout.grad_boundary_groups())
     groups.outer_replica = make("outer_replica", layout.outer_replica_groups())
+    groups.member = member
     return groups

@@ -31,22 +31,28 @@ def _layout_of(optimizer) -> Optional[dict]:
     return None if layout is None else {key: getattr(layout, key) for key in _LAYOUT_KEYS}
 
 
+def _feedbacks(engine) -> dict:
+    """Family name -> error-feedback residual, for the families that keep one."""
+    method = getattr(engine.optimizer, "hzp_error_feedbacks", None)
+    return method() if method is not None else {}
+
+
 def save(engine, tag_dir: str) -> None:
     """Write this rank's state into `tag_dir` (created if needed), if it has any."""
-    feedback = getattr(engine.optimizer, "hzp_error_feedback", None)
-    if feedback is None:
+    feedbacks = _feedbacks(engine)
+    if not feedbacks:
         return
     os.makedirs(tag_dir, exist_ok=True)
     state = {"format": FILE_FORMAT, "rank": engine.global_rank, "layout": _layout_of(engine.optimizer),
-             "error_feedback": feedback.state_dict()}
+             "error_feedback": {name: feedback.state_dict() for name, feedback in feedbacks.items()}}
     torch.save(state, os.path.join(tag_dir, file_name(engine.global_rank)))
 
 
 def load(engine, tag_dir: str, same_layout: bool) -> None:
     """Restore this rank's state from `tag_dir` when the checkpoint was saved at this layout (`same_layout`, and
     the file agrees); otherwise start it from zero."""
-    feedback = getattr(engine.optimizer, "hzp_error_feedback", None)
-    if feedback is None:
+    feedbacks = _feedbacks(engine)
+    if not feedbacks:
         return
     path = os.path.join(tag_dir, file_name(engine.global_rank))
     reason = None
@@ -65,10 +71,12 @@ def load(engine, tag_dir: str, same_layout: bool) -> None:
             reason = f"{path} was saved under layout {state.get('layout')}"
         else:
             try:
-                feedback.load_state_dict(state["error_feedback"])
-            except (KeyError, ValueError) as error:
-                raise CheckpointError(f"{path}: {error}") from None
+                for name, feedback in feedbacks.items():
+                    feedback.load_state_dict(state["error_feedback"][name])
+            except (KeyError, ValueError, TypeError) as error:
+                raise CheckpointError(f"{path}: {error!r}") from None
             return
-    feedback.reset()
+    for feedback in feedbacks.values():
+        feedback.reset()
     if engine.global_rank == 0:
         print(f"[ds_asynchzp] error feedback starts from zero: {reason}", flush=True)

@@ -49,19 +49,17 @@ class ParamShards:
         for view in self._padding:
             view.zero_()
 
-    def adopt_trainable(self, params_in_flat_order: Sequence[torch.nn.Parameter], flat: torch.Tensor) -> ShardedBuffer:
-        """Take over Stage 3's flat parameter buffer: its contents become the own row of a new shard buffer.
+    def adopt_trainable(self, params_in_flat_order: Sequence[torch.nn.Parameter]) -> ShardedBuffer:
+        """Take over Stage 3's partitions of these parameters: their contents become the own row of a new shard
+        buffer (same column order), and each `ds_tensor` a view of its own atom there.
 
-        Returns the buffer; the caller points DeepSpeed's flat buffer and `ds_tensor`s at its own row.
-        """
+        Returns the buffer; the caller points DeepSpeed's flat buffers at its own row."""
         params = list(params_in_flat_order)
-        buffer = ShardedBuffer("params", params, self.rows, self.own_row, flat.dtype, flat.device,
+        first = params[0].ds_tensor
+        buffer = ShardedBuffer("params", params, self.rows, self.own_row, first.dtype, first.device,
                                atom_of=lambda p: p.partition_numel())
-        if buffer.width != flat.numel():
-            raise RuntimeError(f"Stage 3's flat parameter buffer has {flat.numel()} elements, but its parameters' "
-                               f"partitions add up to {buffer.width}")
-        buffer.own.copy_(flat)
         for param in params:
+            buffer.own_atom(param).copy_(param.ds_tensor.data.view(-1))
             param.ds_tensor.data = buffer.own_atom(param)
         return self._add(buffer)
 
