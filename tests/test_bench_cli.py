@@ -8,7 +8,7 @@ import pytest
 
 from ds_asynchzp.bench import cli
 from ds_asynchzp.bench.aggregate import aggregate_arm, merge_repeats
-from ds_asynchzp.bench.table import format_table
+from ds_asynchzp.bench.table import format_family_table, format_table
 
 
 def _fails_with(capsys, argv: list[str], fragment: str) -> None:
@@ -349,3 +349,49 @@ def test_node_link_counters_and_repeats():
     assert merged["tokens_per_s"] == merged["tokens_per_s_per_rank"]["median"] * 2
     assert [r["losses_identical_to_first"] for r in merged["repeats"]] == [True, True]
     assert merged["bytes_per_step"] == first["bytes_per_step"]
+
+
+def test_quantized_arms_set_their_key_alone_and_zeropp_is_reported_unavailable_on_cpu():
+    args = cli.parse_args(["--arms", "zero3,asynchzp,asynchzp-q,asynchzp-qw,asynchzp-qg:gradient_quantization_bits=4,"
+                           "zeropp", "--nproc", "4", "--node-size", "2"])
+    plain = cli.ds_config_for("asynchzp", args)
+    for arm, key in (("asynchzp-q", "quantize_cross_node"), ("asynchzp-qw", "quantized_weights")):
+        config = cli.ds_config_for(arm, args)
+        assert config["async_hzp"] == dict(plain["async_hzp"], **{key: True})
+        assert {k: v for k, v in config.items() if k != "async_hzp"} == {
+            k: v for k, v in plain.items() if k != "async_hzp"}
+    assert cli.ds_config_for("asynchzp-qg:gradient_quantization_bits=4", args)["async_hzp"] == {
+        "node_size": 2, "quantized_gradients": True, "gradient_quantization_bits": 4}
+    zeropp = cli.ds_config_for("zeropp", args)["zero_optimization"]
+    assert zeropp["zero_quantized_weights"] and zeropp["zero_quantized_gradients"]
+    assert zeropp["zero_hpz_partition_size"] == 2 and "async_hzp" not in cli.ds_config_for("zeropp", args)
+    assert "CUDA kernels only" in cli.arm_unavailable("zeropp", args)
+    assert cli.arm_unavailable("asynchzp-q", args) is None
+    # An arm's own key cannot be overridden (it names the arm).
+    with pytest.raises(cli.ArmSpecError, match="quantize_cross_node"):
+        cli.parse_arm_spec("asynchzp-q:quantize_cross_node=false")
+
+
+def test_moe_model_adds_autoep_and_the_family_table():
+    args = cli.parse_args(["--arms", "zero3,hpz,asynchzp", "--model", "moe", "--ep-size", "2", "--nproc", "4",
+                           "--node-size", "2"])
+    for arm in args.arms:
+        assert cli.ds_config_for(arm, args)["expert_parallel"] == {"enabled": True, "autoep_size": 2,
+                                                                   "preset_model": "mixtral"}
+    assert "refuses ZeRO++ hpZ" in cli.arm_unavailable("hpz", args)
+    assert cli.run_config(args)["ep_size"] == 2
+    dense_only = {"dense": {"intra_node": 1e6, "inter_node": 2e6}}
+    families = {"dense": {"intra_node": 1e6, "inter_node": 2e6}, "expert": {"intra_node": 3e6, "inter_node": 4e6},
+                "tokens": {"intra_node": 5e6, "inter_node": 0.0}}
+    entry = {"bytes_per_step_by_family": families,
+             "families": {"dense": {}, "expert:ep_size_2": {"world": 2, "node_size": 1, "param_shard_size": 1,
+                                                           "grad_shard_size": 1, "optimizer_shard_size": 2}}}
+    table = format_family_table({"arms": {"zero3": {"bytes_per_step_by_family": families}, "asynchzp": entry}})
+    rows = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| ")}
+    cells = [c.strip() for c in rows["asynchzp"].split("|")]
+    assert cells[2:8] == ["1.000", "2.000", "3.000", "4.000", "5.000", "0.000"], cells
+    assert "1/1/2 of 2 (2 node(s) x 1)" in rows["asynchzp"]
+    assert "stock: over the expert-data-parallel group" in rows["zero3"]
+    assert format_family_table({"arms": {"zero3": {"bytes_per_step_by_family": dense_only}}}) is None
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--model", "moe", "--ep-size", "3", "--nproc", "4"])

@@ -488,3 +488,62 @@ def test_check_json_and_unreadable_files(tmp_path, capsys):
     path.write_text(json.dumps({"arms": {}}))
     assert plan_cli.main(["--check", str(path)]) == 2
     assert "config" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------ mixture of experts
+MOE = dict(num_params=47 * 10**9, world=256, node_size=8, grad_accum=8, dtype="bf16", intra_bw=400e9,
+           inter_bw=25e9, device_memory=80 * 2**30, param_shard_size=8, optimizer_shard_size=256)
+
+
+def _moe_plan(ep=8, grad_accum=8, tokens=4096, **kw):
+    from ds_asynchzp.planner.moe import MoeInputs
+    args = dict(MOE, grad_accum=grad_accum, **kw)
+    return planner.plan(**args, moe=MoeInputs(45 * 10**9, ep, tokens, 4096, 2))
+
+
+def test_moe_plan_splits_dense_expert_and_token_bytes():
+    plan = _moe_plan()
+    assert plan["moe"]["expert_group"] == {"members": 32, "per_node": 1}
+    for arm in ("zero3", "asynchzp", "asynchzp-q"):
+        entry = plan["arms"][arm]
+        families = entry["by_family"]
+        for where in ("intra_node", "inter_node"):
+            assert entry["bytes_per_step"][where] == pytest.approx(sum(f[where] for f in families.values()))
+    # ep = node size: the token all-to-all stays inside the node, and is the same for every arm.
+    tokens = plan["arms"]["zero3"]["by_family"]["tokens"]
+    assert tokens["inter_node"] == 0 and tokens["intra_node"] == pytest.approx(8 * 4 * 4096 * 2 * 4096 * 2 * 7 / 8)
+    assert plan["arms"]["asynchzp"]["by_family"]["tokens"] == tokens
+    # DeepSpeed refuses hpZ with AutoEP: those arms are not planned.
+    assert plan["arms"]["hpz"]["unavailable"] and plan["arms"]["zeropp"]["unavailable"]
+
+
+def test_moe_expert_bytes_follow_the_expert_layout():
+    from ds_asynchzp.layout import expert_layout
+    one, eight = _moe_plan(grad_accum=1), _moe_plan(grad_accum=8)
+    expert = lambda plan, arm: plan["arms"][arm]["by_family"]["expert"]["inter_node"]  # noqa: E731
+    # Stock ZeRO-3 moves every expert over its (cross-node) group every micro-step; AsyncHZP once per step.
+    assert expert(eight, "zero3") == pytest.approx(8 * expert(one, "zero3"))
+    assert expert(eight, "asynchzp") == pytest.approx(expert(one, "asynchzp"))
+    # The experts' layout is the engine's: with one member of the group per node, no sharding inside the node.
+    layout = expert_layout(32, 1, planner.HierarchicalLayout(256, 8, 8, 8, 256))
+    assert (layout.param_shard_size, layout.grad_shard_size, layout.optimizer_shard_size) == (1, 1, 32)
+    local = 45 * 10**9 // 8
+    assert expert(one, "asynchzp") == pytest.approx((2 + 2) * local * 31 / 32, rel=1e-6)
+    # ep spanning two nodes: the tokens cross them.
+    wide = _moe_plan(ep=16)
+    assert wide["arms"]["zero3"]["by_family"]["tokens"]["inter_node"] > 0
+
+
+@pytest.mark.parametrize("ep, problem", [(3, "must divide the world"), (12, "must divide the world")])
+def test_moe_plan_refuses_bad_ep(ep, problem):
+    with pytest.raises(ValueError, match=problem):
+        _moe_plan(ep=ep)
+
+
+def test_plan_cli_prints_families(capsys):
+    from ds_asynchzp.planner import cli
+    assert cli.main(["--params", "47B", "--expert-params", "45B", "--ep-size", "8", "--tokens", "4096",
+                     "--hidden", "4096", "--world", "256", "--node-size", "8", "--intra-bw", "400GB/s",
+                     "--inter-bw", "200Gbit", "--grad-accum", "8", "--device-memory", "80GB"]) == 0
+    out = capsys.readouterr().out
+    assert "expert inter GB" in out and "hpz: not planned" in out and "32 ranks, 1 per node" in out

@@ -44,6 +44,7 @@ def aggregate_arm(rank_results: list, warmup: int, tokens_per_step: int) -> dict
 
     where = ("intra_node", "inter_node")
     bytes_per_step = {w: mean_over_ranks(lambda st, w=w: st[w]) for w in where}
+    bytes_by_family = None
     ops = sorted({op for r in by_rank for st in r["steps"] for op in st["by_op"]})
     bytes_by_op = {op: {w: mean_over_ranks(lambda st, op=op, w=w: st["by_op"].get(op, {}).get(w, 0.0))
                         for w in where} for op in ops}
@@ -69,6 +70,9 @@ def aggregate_arm(rank_results: list, warmup: int, tokens_per_step: int) -> dict
         bytes_by_op = {op: {w: sum(s["by_op"].get(op, {}).get(w, 0.0) for s in steady) / n_ranks for w in where}
                        for op in ops}
         link = sum(s["link_bytes"] for s in steady) / n_ranks
+        families = sorted({f for s in steady for f in s.get("by_family", {})})
+        bytes_by_family = {f: {w: sum(s.get("by_family", {}).get(f, {}).get(w, 0.0) for s in steady) / n_ranks
+                               for w in where} for f in families}
         if readers:
             wire = sum(r["steady_bytes_per_step"]["node_tx_bytes"] for r in readers) / n_ranks
 
@@ -81,6 +85,9 @@ def aggregate_arm(rank_results: list, warmup: int, tokens_per_step: int) -> dict
         "startup_s": {k: max(r["startup_s"][k] for r in by_rank) for k in by_rank[0]["startup_s"]},
         "bytes_per_step": bytes_per_step,
         "bytes_per_step_by_op": bytes_by_op,
+        # dense / expert / tokens (AutoEP's experts and token all-to-all; dense alone without AutoEP).
+        "bytes_per_step_by_family": bytes_by_family,
+        "families": by_rank[0].get("families"),
         "link_bytes_inter_node_per_step": link,
         "wire_bytes_inter_node_per_step": wire,
         "comm_time_s": comm_time,

@@ -25,6 +25,7 @@ from pathlib import Path
 from ..planner import QUANTIZED_ARMS
 from .aggregate import aggregate_arm, merge_repeats
 from .model import MODEL_PRESETS
+from .moe_model import MOE_PRESETS, autoep_config
 from .progress import StepProgress
 from .table import format_table
 
@@ -142,8 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="ranks (processes) to start (default: %(default)s)")
     parser.add_argument("--node-size", type=_positive_int, default=2,
                         help="ranks per simulated node; must divide --nproc (default: %(default)s)")
-    parser.add_argument("--model", default="small", choices=sorted(MODEL_PRESETS),
-                        help="model preset (default: %(default)s)")
+    parser.add_argument("--model", default="small", choices=sorted(MODEL_PRESETS) + sorted(MOE_PRESETS),
+                        help="model preset: a byte-level GPT, or moe (a small random transformers Mixtral whose "
+                             "experts DeepSpeed's AutoEP spreads over --ep-size ranks; needs transformers) "
+                             "(default: %(default)s)")
+    parser.add_argument("--ep-size", type=_positive_int, default=2,
+                        help="with --model moe: AutoEP's expert-parallel size, a divisor of --nproc "
+                             "(default: %(default)s)")
     parser.add_argument("--moe-experts", type=_non_negative_int, default=0,
                         help="experts per block; 0 = dense MLP (default: %(default)s)")
     parser.add_argument("--steps", type=_positive_int, default=6, help="optimizer steps (default: %(default)s)")
@@ -363,6 +369,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 parse_delay_ms(args.inter_node_delay)
         except ValueError as exc:
             parser.error(str(exc))
+    if args.model in MOE_PRESETS:
+        import importlib.util
+
+        if importlib.util.find_spec("transformers") is None:
+            parser.error(f"--model {args.model} builds a transformers Mixtral: pip install -e \".[moe]\" "
+                         "(or transformers==5.18.0)")
+        if args.nproc % args.ep_size:
+            parser.error(f"--ep-size {args.ep_size} must divide --nproc {args.nproc}")
     if args.warmup_steps >= args.steps:
         parser.error(f"--warmup-steps {args.warmup_steps} must be < --steps {args.steps}, "
                      "otherwise no steady-state step is left to average")
@@ -392,10 +406,15 @@ def _zeropp_keys(args: argparse.Namespace) -> dict:
             "zero_quantized_gradients": True}
 
 
-def arm_unavailable(arm: str) -> str | None:
+def arm_unavailable(arm: str, args: argparse.Namespace | None = None) -> str | None:
     """Why an arm cannot run on this benchmark's ranks, or None. The ranks are CPU processes (gloo,
-    DS_ACCELERATOR=cpu); stock ZeRO++'s weight and gradient quantizers exist only as CUDA kernels."""
-    if parse_arm_spec(arm).base == "zeropp":
+    DS_ACCELERATOR=cpu); stock ZeRO++'s weight and gradient quantizers exist only as CUDA kernels; DeepSpeed
+    refuses hpZ together with AutoEP."""
+    base = parse_arm_spec(arm).base
+    if args is not None and args.model in MOE_PRESETS and base in ("hpz", "zeropp"):
+        return ("DeepSpeed 0.19.8 refuses ZeRO++ hpZ (zero_hpz_partition_size > 1) together with AutoEP's "
+                "experts")
+    if base == "zeropp":
         return ("stock ZeRO++ quantization (qwZ, qgZ) has CUDA kernels only: on CPU ranks DeepSpeed's "
                 "CUDAQuantizer fails at initialization ('This op had not been implemented on CPU backend'); "
                 "asynchzp-bench runs CPU ranks. The AsyncHZP quantized arms (asynchzp-q, -qw, -qg) run here")
@@ -425,6 +444,8 @@ def ds_config_for(arm: str, args: argparse.Namespace) -> dict:
         "steps_per_print": STEPS_PER_PRINT,
         "wall_clock_breakdown": False,
     }
+    if args.model in MOE_PRESETS:
+        config["expert_parallel"] = autoep_config(args.ep_size)
     if args.dtype == "bf16":
         config["bf16"] = {"enabled": True}
     elif args.dtype == "fp16":
@@ -482,6 +503,7 @@ def run_config(args: argparse.Namespace) -> dict:
         "num_nodes": args.nproc // args.node_size,
         "model": args.model,
         "moe_experts": args.moe_experts,
+        "ep_size": args.ep_size if args.model in MOE_PRESETS else None,
         "steps": args.steps,
         "grad_accum": args.grad_accum,
         "micro_batch": args.micro_batch,
@@ -512,10 +534,10 @@ def run_config(args: argparse.Namespace) -> dict:
 
 
 def _model_parameter_count(args: argparse.Namespace) -> int:
-    from .model import build_model, count_parameters
-    from .worker import _model_config
+    from .model import count_parameters
+    from .worker import build_bench_model
 
-    return count_parameters(build_model(_model_config(args.model, args.moe_experts, args.seq_len), seed=0))["total"]
+    return count_parameters(build_bench_model(args.model, args.moe_experts, args.seq_len, seed=0))["total"]
 
 
 def write_json_atomically(path: Path, data: dict) -> None:
@@ -563,7 +585,7 @@ def _run_arms(args: argparse.Namespace, results: dict, cluster=None) -> None:
     for repeat in range(args.repeats):
         for arm in args.arms:
             index += 1
-            unavailable = arm_unavailable(arm)
+            unavailable = arm_unavailable(arm, args)
             if unavailable is not None:
                 if repeat == 0:
                     print(f"[{index}/{total}] {arm}: unavailable: {unavailable}", flush=True)
@@ -591,10 +613,33 @@ def _run_arms(args: argparse.Namespace, results: dict, cluster=None) -> None:
                   f"median step {entry['median_step_time_s']:.3f}s{comm}", flush=True)
 
 
+def prepare_ops() -> None:
+    """Build the compiled ops the ranks load, here, before any rank starts, saying so: on a first run each takes
+    minutes on a small host, and every rank would otherwise sit at 0 % of its progress bar meanwhile. Both are
+    cached (DeepSpeed's CPU communication op by torch, ours by source hash); later runs only load them."""
+    from ds_asynchzp.bench.launch import scripts_first_on_path
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    scripts_first_on_path(os.environ)    # the ninja the ranks will use, so they find the build cached
+    started = time.monotonic()
+    print("preparing: DeepSpeed's CPU communication op (built on first use, a few minutes; cached afterwards) ...",
+          flush=True)
+    from deepspeed.accelerator import get_accelerator
+
+    get_accelerator().create_op_builder("ShareMemCommBuilder").load()
+    print(f"preparing: DeepSpeed's CPU communication op ready ({time.monotonic() - started:.1f} s); the package's "
+          "ops ...", flush=True)
+    started = time.monotonic()
+    from ds_asynchzp import ops
+
+    print(f"preparing: the package's ops: {ops.status('cpu')} ({time.monotonic() - started:.1f} s)", flush=True)
+
+
 def run_benchmark(args: argparse.Namespace) -> dict:
     """Run every arm; results.json is rewritten after each run so a later failure keeps the rest."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    prepare_ops()
     results = {"config": run_config(args), "env": environment(), "arms": {}}
     if args.network == "loopback":
         _run_arms(args, results)

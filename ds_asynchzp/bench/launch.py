@@ -134,18 +134,22 @@ def _rank_env(r: int, nproc: int, node_size: int, port: int, overrides: dict | N
         "OMP_NUM_THREADS": "1",
         "PYTHONUNBUFFERED": "1",
     })
-    # DeepSpeed JIT-builds CPU ops with whichever ninja PATH finds, and ninja releases keep incompatible build
-    # records: a cached op found by another ninja is rebuilt from scratch (minutes on two cores). This
-    # interpreter's scripts directory first (its own ninja) behaves like an activated environment.
-    scripts = sysconfig.get_path("scripts")
-    if scripts and os.path.isdir(scripts) and env.get("PATH", "").split(os.pathsep)[0] != scripts:
-        env["PATH"] = os.pathsep.join([scripts, env["PATH"]]) if env.get("PATH") else scripts
+    scripts_first_on_path(env)
     env.update({k: str(v) for k, v in (overrides or {}).items()})
     if not _is_site_dir(_PACKAGE_ROOT):
         entries = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         if str(_PACKAGE_ROOT) not in entries:
             env["PYTHONPATH"] = os.pathsep.join([str(_PACKAGE_ROOT), *entries])
     return env
+
+
+def scripts_first_on_path(env) -> None:
+    """DeepSpeed JIT-builds CPU ops with whichever ninja PATH finds, and ninja releases keep incompatible build
+    records: a cached op found by another ninja is rebuilt from scratch (minutes on two cores). This
+    interpreter's scripts directory first (its own ninja) behaves like an activated environment."""
+    scripts = sysconfig.get_path("scripts")
+    if scripts and os.path.isdir(scripts) and env.get("PATH", "").split(os.pathsep)[0] != scripts:
+        env["PATH"] = os.pathsep.join([scripts, env["PATH"]]) if env.get("PATH") else scripts
 
 
 def _is_site_dir(path: Path) -> bool:

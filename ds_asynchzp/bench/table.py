@@ -113,6 +113,32 @@ def format_layout_memory_table(results: dict) -> str:
     return "\n".join(_markdown(rows, text_columns=3))
 
 
+FAMILIES = ("dense", "expert", "tokens")
+
+
+def format_family_table(results: dict) -> str | None:
+    """Bytes per step split into dense parameters, AutoEP's experts and its token all-to-all, with each arm's
+    expert layout; None when no arm moved expert or token bytes."""
+    arms = results["arms"]
+    split = {arm: e.get("bytes_per_step_by_family") or {} for arm, e in arms.items()}
+    if not any(f in per for per in split.values() for f in ("expert", "tokens")):
+        return None
+    header = ["arm"] + [f"{f} {w} MB/step" for f in FAMILIES for w in ("intra", "inter")] + ["expert layout"]
+    rows = [header]
+    for arm, per in split.items():
+        families = arms[arm].get("families") or {}
+        expert = next((v for k, v in families.items() if k != "dense"), None)
+        text = ("stock: over the expert-data-parallel group" if expert is None else
+                f"d_p/d_g/d_o {expert['param_shard_size']}/{expert['grad_shard_size']}/"
+                f"{expert['optimizer_shard_size']} of {expert['world']} ({expert['world'] // expert['node_size']} "
+                f"node(s) x {expert['node_size']})")
+        rows.append([arm] + [f"{per.get(f, {}).get(w, 0.0) / MB:.3f}" for f in FAMILIES
+                             for w in ("intra_node", "inter_node")] + [text])
+    legend = ("dense: every parameter but the routed experts; expert: the experts' gathers, reductions and "
+              "refresh; tokens: AutoEP's token all-to-all over the expert-parallel group (issued by DeepSpeed).")
+    return "\n".join([*_markdown(rows), "", legend])
+
+
 def format_table(results: dict) -> str:
     """Markdown table of every arm in `results` (the results.json structure), plus a short legend."""
     arms = results["arms"]
@@ -130,7 +156,10 @@ def format_table(results: dict) -> str:
         "in flight, on any thread; both per step the largest over ranks, median over steady steps. Communication "
         "hidden behind compute shows as busy >> exposed."
     )
-    unavailable = [f"- {arm}: not run: {why}" for arm, why in (results.get("unavailable_arms") or {}).items()]
-    return "\n".join([*_markdown(rows), "", legend, *([""] + unavailable if unavailable else []), "",
+    notes = [f"- {arm}: not run: {why}" for arm, why in (results.get("unavailable_arms") or {}).items()]
+    families = format_family_table(results)
+    if families is not None:
+        notes += ["", "Bytes by family (AutoEP):", "", families]
+    return "\n".join([*_markdown(rows), "", legend, *([""] + notes if notes else []), "",
                       "Layout and model-state memory per role (rank 0):", "",
                       format_layout_memory_table(results), "", LAYOUT_LEGEND])

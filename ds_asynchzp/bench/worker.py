@@ -35,6 +35,31 @@ def _model_config(preset: str, moe_experts: int, seq_len: int):
     return dataclasses.replace(cfg, **changes) if changes else cfg
 
 
+def build_bench_model(preset: str, moe_experts: int, seq_len: int, seed: int):
+    """The benchmark's model: a byte-level GPT preset (`model.py`), or the AutoEP Mixtral (`moe_model.py`)."""
+    from .moe_model import MOE_PRESETS, build_moe_model
+
+    if preset in MOE_PRESETS:
+        return build_moe_model(preset, seq_len, seed=seed)
+    from .model import build_model
+    return build_model(_model_config(preset, moe_experts, seq_len), seed=seed)
+
+
+def _families(engine) -> dict | None:
+    """Per AsyncHZP family (dense, AutoEP experts): the layout it resolved to."""
+    placements = getattr(engine.optimizer, "hzp_placements", None)
+    if placements is None:
+        return None
+    out = {}
+    for placement in placements:
+        layout = placement.family.layout
+        out[placement.family.name] = {"world": layout.world, "node_size": layout.node_size,
+                                      "param_shard_size": layout.param_shard_size,
+                                      "grad_shard_size": layout.grad_shard_size,
+                                      "optimizer_shard_size": layout.optimizer_shard_size}
+    return out
+
+
 def _check_optimizer(engine, expected: str) -> str:
     name = type(engine.optimizer).__name__
     if expected not in name:
@@ -142,8 +167,9 @@ def run_arm(payload: dict) -> dict:
     from ds_asynchzp.accounting import ledger
     from ds_asynchzp.accounting.memory import model_state_bytes
 
+    from ds_asynchzp.runtime.deepspeed_internals import autoep_groups
+
     from .data import batch_for
-    from .model import build_model
 
     deepspeed.init_distributed(dist_backend="gloo")
     ledger.install(payload["node_size"])
@@ -152,10 +178,12 @@ def run_arm(payload: dict) -> dict:
 
     seed = payload["seed"]
     torch.manual_seed(seed)
-    model = build_model(_model_config(payload["model"], payload["moe_experts"], payload["seq_len"]), seed=seed)
+    model = build_bench_model(payload["model"], payload["moe_experts"], payload["seq_len"], seed)
     engine, *_ = ds_asynchzp.initialize(model=model,
                                         model_parameters=[p for p in model.parameters() if p.requires_grad],
                                         config=payload["ds_config"])
+    # AutoEP's groups, so the ledger can tell expert and token traffic from dense traffic.
+    ledger.get().set_expert_groups(*autoep_groups())
     optimizer_class = _check_optimizer(engine, payload["expected_optimizer"])
     layout, layout_text = _layout_of(engine, payload["ds_config"], world, payload["node_size"])
     phase_done("initialize_s")
@@ -227,6 +255,8 @@ def run_arm(payload: dict) -> dict:
             "calls": comm["calls"],
             "by_op": {op: {"intra_node": v["intra_node"], "inter_node": v["inter_node"], "calls": v["calls"]}
                       for op, v in comm["by_op"].items()},
+            "by_family": {name: {"intra_node": v["intra_node"], "inter_node": v["inter_node"]}
+                          for name, v in comm["by_family"].items()},
         })
 
     if quiesce is not None:
@@ -239,7 +269,10 @@ def run_arm(payload: dict) -> dict:
               "link_bytes": totals["link_bytes"] / steady_steps,
               "node_tx_bytes": (_read_int(link_counter) - steady_tx) / steady_steps if link_counter else None,
               "by_op": {op: {"intra_node": v["intra_node"] / steady_steps, "inter_node": v["inter_node"] / steady_steps}
-                        for op, v in totals["by_op"].items()}}
+                        for op, v in totals["by_op"].items()},
+              "by_family": {name: {"intra_node": v["intra_node"] / steady_steps,
+                                   "inter_node": v["inter_node"] / steady_steps}
+                            for name, v in totals["by_family"].items()}}
 
     return {
         "rank": rank,
@@ -253,6 +286,7 @@ def run_arm(payload: dict) -> dict:
         "model_state_bytes": model_states,
         "layout": layout,
         "layout_text": layout_text,
+        "families": _families(engine),
         "peak_rss_bytes": _peak_rss_bytes(),
         "timeline": timeline,
         "timeline_step": timeline_step,

@@ -44,6 +44,7 @@ from ..config import AsyncHZPConfig, resolve_layout
 from ..errors import AsyncHZPConfigError
 from ..layout import HierarchicalLayout
 from ..quantization import NO_QUANTIZATION, QuantizationPlan, plan_quantization
+from . import moe as moe_plan
 
 ARMS = ("zero3", "hpz", "zeropp", "asynchzp", "asynchzp-q")
 ARM_DESCRIPTIONS = {
@@ -288,7 +289,7 @@ def plan(num_params: int, world: int, node_size: int, grad_accum: int = 1, dtype
          intra_bw: float | None = None, inter_bw: float | None = None, device_memory: int | None = None,
          memory_budget: float | None = None, param_shard_size: int | str | None = "auto",
          grad_shard_size: int | str | None = None, optimizer_shard_size: int | str | None = "auto",
-         grad_accum_dtype: str | None = None) -> dict:
+         grad_accum_dtype: str | None = None, moe: "moe_plan.MoeInputs | None" = None) -> dict:
     """The whole plan as a JSON-ready dict: inputs, the ``"auto"`` pick and why, and per arm memory, bytes, time.
 
     Budget for ``"auto"``: ``memory_budget`` if given, else ``sizing.DEFAULT_BUDGET_FRACTION`` of
@@ -298,7 +299,14 @@ def plan(num_params: int, world: int, node_size: int, grad_accum: int = 1, dtype
     would choose, ``layout`` what the given sizes resolve to (they are the same by default). If "auto" finds
     nothing within the budget, the arms are planned with the smallest-memory layout, which the memory columns
     then flag. ``grad_accum_dtype`` (default: ``dtype``) is ``data_types.grad_accum_dtype``.
+
+    With ``moe`` (AutoEP's routed experts, `planner.moe`), the layout and the arms' dense figures are those of the
+    dense parameters; every arm adds its experts' memory and bytes and the token all-to-all, split under
+    ``by_family``; arms DeepSpeed cannot run with AutoEP are marked ``unavailable``.
     """
+    if moe is not None:
+        moe_plan.check(moe, num_params, world, node_size)
+        num_params -= moe.expert_params
     if world < 1 or node_size < 1 or world % node_size:
         raise ValueError(f"node size {node_size} must be >= 1 and divide the world size {world}")
     if grad_accum < 1:
@@ -339,6 +347,22 @@ def plan(num_params: int, world: int, node_size: int, grad_accum: int = 1, dtype
         t = traffic_inputs(num_params, world, node_size, grad_accum, dtype, multiple=d_o if asynchzp else world)
         memory = arm_memory(arm, t.trainable_elements, world, node_size, d_p, d_g, b, d_o=d_o, grad_accum_bytes=a)
         moved = arm_bytes(arm, t, d_p, d_g, d_o)
+        families = None
+        if moe is not None:
+            dense_layout = HierarchicalLayout(world, node_size, d_p, d_g, d_o)
+            expert = moe_plan.expert_bytes(arm, moe, world, node_size, grad_accum, b, dense_layout,
+                                           lambda lay, arm=arm: arm_quantization(
+                                               arm, lay.world, lay.node_size, lay.param_shard_size,
+                                               lay.grad_shard_size, lay.optimizer_shard_size))
+            holder = {"bytes_per_step": dict(moved)}
+            moe_plan.add_families(holder, moved, expert,
+                                  moe_plan.token_bytes(moe, world, node_size, grad_accum, b))
+            if holder.get("unavailable"):
+                arms[arm] = {"description": ARM_DESCRIPTIONS[arm], "unavailable": moe_plan.UNSUPPORTED_ARMS[arm]}
+                continue
+            moved, families = holder["bytes_per_step"], holder["by_family"]
+            expert_states = moe_plan.expert_memory(arm, moe, world, node_size, dense_layout, b, a)
+            memory = {k: memory.get(k, 0) + expert_states.get(k, 0) for k in set(memory) | set(expert_states)}
         times = None
         if intra_bw and inter_bw:
             intra_s, inter_s = moved["intra_node"] / intra_bw, moved["inter_node"] / inter_bw
@@ -350,8 +374,14 @@ def plan(num_params: int, world: int, node_size: int, grad_accum: int = 1, dtype
             "bytes_per_step": moved,
             "comm_time_s": times,
         }
+        if families is not None:
+            arms[arm]["by_family"] = families
     padded = sizing.padded_num_params([num_params], world)
     return {
+        "moe": None if moe is None else {"expert_params": moe.expert_params, "ep_size": moe.ep_size,
+                                         "tokens": moe.tokens, "hidden": moe.hidden, "top_k": moe.top_k,
+                                         "expert_group": dict(zip(("members", "per_node"),
+                                                                  moe_plan.expert_world(moe, world, node_size)))},
         "inputs": {"params": num_params, "padded_params": padded, "world": world, "node_size": node_size,
                    "nodes": world // node_size, "grad_accum": grad_accum, "dtype": dtype, "param_bytes": b,
                    "grad_comm_bytes": b, "grad_accum_bytes": a, "intra_bw_bytes_per_s": intra_bw,

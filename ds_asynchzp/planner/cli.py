@@ -18,6 +18,7 @@ from pathlib import Path
 
 from .. import planner
 from ..accounting.sizing import BYTES_PER_GB
+from .moe import MoeInputs
 
 GB = 1e9  # traffic is shown in decimal gigabytes, memory in GiB (BYTES_PER_GB), as the legend says
 
@@ -83,6 +84,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--optimizer-shard-size", type=_argtype(_shard_size), default="auto",
                         help='d_o: "auto" or a divisor of --world that is a multiple of d_g; "auto" sizes are '
                              "chosen together, integer sizes constrain them (default: %(default)s)")
+    moe = parser.add_argument_group("mixture of experts (AutoEP)")
+    moe.add_argument("--expert-params", type=_argtype(planner.parse_count),
+                     help="routed-expert parameters of the whole model (all experts), part of --params; plans "
+                          "them over their expert-data-parallel groups, apart from the dense ones")
+    moe.add_argument("--ep-size", type=_argtype(_positive_int), default=None,
+                     help="AutoEP's expert-parallel size (needed with --expert-params)")
+    moe.add_argument("--tokens", type=_argtype(_positive_int), default=0,
+                     help="tokens per rank per micro-step, for the token all-to-all (default: 0, left out)")
+    moe.add_argument("--hidden", type=_argtype(_positive_int), default=0, help="hidden size, for the token all-to-all")
+    moe.add_argument("--top-k", type=_argtype(_positive_int), default=2,
+                     help="experts per token (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--check", metavar="RESULTS_JSON",
                         help="compare the formulas with the bytes measured by asynchzp-bench; exit 1 above 5 %%")
@@ -137,18 +149,33 @@ def format_plan(result: dict) -> str:
     if layout.get("reason") and layout["reason"] != auto.get("reason"):
         lines.append(f"  {layout['reason']}")
 
+    moe = result.get("moe")
+    if moe is not None:
+        group = moe["expert_group"]
+        lines.append(f"experts: {_params(moe['expert_params'])} routed-expert params over ep {moe['ep_size']}; each "
+                     f"rank's experts live on an expert-data-parallel group of {group['members']} ranks, "
+                     f"{group['per_node']} per node; --params above counts the dense ones")
     header = ["arm", "model states/rank", "fits", "intra GB/step", "inter GB/step", "intra s", "inter s",
               "comm s/step"]
-    rows = [header]
+    if moe is not None:
+        header += [f"{f} inter GB" for f in ("dense", "expert", "tokens")]
+    rows, not_planned = [header], []
     for arm, entry in result["arms"].items():
+        if entry.get("unavailable"):
+            not_planned.append(f"{arm}: not planned: {entry['unavailable']}")
+            continue
         fits = entry["fits_device_memory"]
         moved, times = entry["bytes_per_step"], entry["comm_time_s"]
-        rows.append([arm, _gib(entry["model_state_bytes"]["total"]), "?" if fits is None else ("yes" if fits else "NO"),
-                     f"{moved['intra_node'] / GB:,.1f}", f"{moved['inter_node'] / GB:,.1f}",
-                     f"{times['intra_node']:.2f}", f"{times['inter_node']:.2f}", f"{times['total']:.2f}"])
+        row = [arm, _gib(entry["model_state_bytes"]["total"]), "?" if fits is None else ("yes" if fits else "NO"),
+               f"{moved['intra_node'] / GB:,.1f}", f"{moved['inter_node'] / GB:,.1f}",
+               f"{times['intra_node']:.2f}", f"{times['inter_node']:.2f}", f"{times['total']:.2f}"]
+        if moe is not None:
+            row += [f"{entry['by_family'][f]['inter_node'] / GB:,.1f}" for f in ("dense", "expert", "tokens")]
+        rows.append(row)
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     table = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
              for row in rows]
+    table += [f"  {line}" for line in not_planned]
     legend = [f"  {arm}: {entry['description']}" for arm, entry in result["arms"].items()]
     legend += [f"  - {a}" for a in result["assumptions"]]
     return "\n".join(lines + [""] + table + ["", "Arms and assumptions (GB = 10^9 bytes, GiB = 2^30):"] + legend)
@@ -205,11 +232,20 @@ def main(argv: list[str] | None = None) -> int:
                if value is None]
     if missing:
         parser.error(f"planning needs {', '.join(missing)}")
+    moe = None
+    if args.expert_params is not None:
+        if args.ep_size is None:
+            parser.error("--expert-params needs --ep-size")
+        if args.tokens and not args.hidden:
+            parser.error("--tokens needs --hidden (values per token in the all-to-all)")
+        moe = MoeInputs(args.expert_params, args.ep_size, args.tokens, args.hidden, args.top_k)
+    elif args.ep_size is not None:
+        parser.error("--ep-size needs --expert-params")
     try:
         result = planner.plan(_num_params(args, parser), args.world, args.node_size, args.grad_accum, args.dtype,
                               args.intra_bw, args.inter_bw, args.device_memory, args.memory_budget,
                               args.param_shard_size, args.grad_shard_size, args.optimizer_shard_size,
-                              args.grad_accum_dtype)
+                              args.grad_accum_dtype, moe=moe)
     except ValueError as exc:  # includes AsyncHZPConfigError for an invalid explicit layout
         parser.error(str(exc))
     print(json.dumps(result, indent=2) if args.json else format_plan(result))
