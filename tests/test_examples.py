@@ -18,7 +18,7 @@ from ds_asynchzp.bench.launch import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO_ROOT / "examples"
-CONFIGS = ["ds_config_zero3.json", "ds_config_hpz.json", "ds_config_asynchzp.json"]
+CONFIGS = ["ds_config_zero3.json", "ds_config_hpz.json", "ds_config_asynchzp.json", "ds_config_moe.json"]
 # The launcher is installed next to the interpreter running the tests.
 DEEPSPEED = Path(sys.executable).with_name("deepspeed")
 TIMEOUT_S = 240
@@ -59,12 +59,16 @@ def launcher_env(deepspeed_cpu_ops):
     return {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
 
 
-def _launch_train(env: dict, *extra: str) -> str:
+def _launch_train(env: dict, *extra: str, config: str = "ds_config_asynchzp.json", steps: int = 2) -> str:
     """Run examples/train.py on 4 CPU ranks under the real deepspeed launcher; return its output."""
+    return _launch(env, "examples/train.py", "--deepspeed_config", f"examples/{config}", "--steps", str(steps),
+                   "--log-every", "1", *extra)
+
+
+def _launch(env: dict, script: str, *args: str) -> str:
+    """Run an example script on 4 CPU ranks under the real deepspeed launcher; return its output."""
     # A free port keeps concurrent runs from colliding on the launcher's default 29500.
-    cmd = [str(DEEPSPEED), "--num_gpus", "4", "--master_port", str(free_port()),
-           "examples/train.py", "--deepspeed_config", "examples/ds_config_asynchzp.json",
-           "--steps", "2", "--log-every", "1", *extra]
+    cmd = [str(DEEPSPEED), "--num_gpus", "4", "--master_port", str(free_port()), script, *args]
     # start_new_session lets a timeout kill every rank, not just the launcher.
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
@@ -73,18 +77,40 @@ def _launch_train(env: dict, *extra: str) -> str:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        pytest.fail(f"train.py did not finish in {TIMEOUT_S} s; output tail:\n{out[-4000:]}")
+        pytest.fail(f"{script} did not finish in {TIMEOUT_S} s; output tail:\n{out[-4000:]}")
     assert proc.returncode == 0, f"exit code {proc.returncode}; output tail:\n{out[-4000:]}"
     return out
 
 
-def _assert_trained_with_asynchzp(out: str) -> None:
-    match = re.search(r"final_loss=(\S+) optimizer=(\w+)", out)
+def _assert_trained_with_asynchzp(out: str) -> tuple:
+    match = re.search(r"final_loss=(\S+) optimizer=(\w+) first_loss=(\S+)", out)
     assert match, f"no final_loss line; output tail:\n{out[-4000:]}"
     assert match.group(2) == "HierarchicalZeroOptimizer"
     assert math.isfinite(float(match.group(1)))
+    return float(match.group(3)), float(match.group(1))
 
 
-@pytest.mark.parametrize("extra", [(), ("--via-register",)], ids=["initialize", "register"])
-def test_train_example_under_deepspeed_launcher(launcher_env, extra):
-    _assert_trained_with_asynchzp(_launch_train(launcher_env, *extra))
+def test_moe_example_trains_autoep_experts_with_asynchzp(launcher_env):
+    # train.py through ds_asynchzp.initialize under the real launcher (register() is the HF Trainer test's).
+    out = _launch_train(launcher_env, "--model", "moe", config="ds_config_moe.json", steps=6)
+    first, final = _assert_trained_with_asynchzp(out)
+    assert final < first - 0.5, (first, final)
+    # The experts got their own layout, inside their expert-data-parallel group.
+    assert "[ds_asynchzp] expert:ep_size_2: d_p=2, d_g=2, d_o=2 over 2 ranks" in out, out[-4000:]
+
+
+def test_hf_trainer_example_trains_with_the_hierarchical_optimizer(launcher_env):
+    """HF Trainer (through Accelerate) calls plain deepspeed.initialize; ds_asynchzp.register() routes it."""
+    out = _launch(launcher_env, "examples/hf_trainer.py", "--steps", "10")
+    match = re.search(r"RESULT optimizer=(\w+) engine=(\w+) first_loss=(\S+) last_loss=(\S+)", out)
+    assert match, f"no RESULT line; output tail:\n{out[-4000:]}"
+    assert match.group(1) == "HierarchicalZeroOptimizer" and match.group(2) == "AsyncHZPEngine"
+    assert float(match.group(4)) < float(match.group(3)) - 0.5, match.group(0)
+    # One node of 4 ranks (the launcher's), not 4 nodes of 1 (what Accelerate writes into LOCAL_WORLD_SIZE).
+    assert "world=4 (1 node(s) x 4 ranks)" in out, out[-4000:]
+
+
+def test_hf_trainer_config_leaves_batch_and_optimizer_values_to_the_trainer():
+    cfg = json.loads((EXAMPLES / "ds_config_hf_trainer.json").read_text())
+    assert cfg["train_micro_batch_size_per_gpu"] == "auto" and cfg["optimizer"]["params"]["lr"] == "auto"
+    assert cfg["zero_optimization"]["stage"] == 3 and cfg["async_hzp"] == {}
