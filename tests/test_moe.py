@@ -44,7 +44,7 @@ LAUNCHES = {
 
 
 @pytest.fixture(scope="module")
-def launched(deepspeed_cpu_ops):
+def launched_moe(deepspeed_cpu_ops):
     cache = {}
 
     def get(world, node_size):
@@ -56,8 +56,8 @@ def launched(deepspeed_cpu_ops):
 
 
 @pytest.mark.parametrize("world,node_size", sorted(LAUNCHES))
-def test_moe_matches_zero3_with_autoep(launched, world, node_size):
-    for rank_result in launched(world, node_size):
+def test_moe_matches_zero3_with_autoep(launched_moe, world, node_size):
+    for rank_result in launched_moe(world, node_size):
         result, stock = rank_result["asynchzp"], rank_result["zero3"]
         assert result["optimizer_class"] == "HierarchicalZeroOptimizer"
         assert stock["optimizer_class"] == "DeepSpeedZeroOptimizer_Stage3"
@@ -70,8 +70,8 @@ def test_moe_matches_zero3_with_autoep(launched, world, node_size):
 
 
 @pytest.mark.parametrize("world,node_size,expert_dp", [(4, 2, 1), (8, 4, 2)])
-def test_experts_get_their_own_layout(launched, world, node_size, expert_dp):
-    families = launched(world, node_size)[0]["asynchzp"]["families"]
+def test_experts_get_their_own_layout(launched_moe, world, node_size, expert_dp):
+    families = launched_moe(world, node_size)[0]["asynchzp"]["families"]
     assert set(families) == {"dense", "expert:ep_size_2"}
     assert families["dense"]["layout"] == {"world": world, "node_size": node_size, "d_p": node_size,
                                            "d_g": node_size, "d_o": world}
@@ -81,10 +81,10 @@ def test_experts_get_their_own_layout(launched, world, node_size, expert_dp):
 
 
 @pytest.mark.parametrize("world,node_size", sorted(LAUNCHES))
-def test_expert_traffic_crosses_nodes_once_per_step(launched, world, node_size):
+def test_expert_traffic_crosses_nodes_once_per_step(launched_moe, world, node_size):
     """The ledger splits dense, expert and token traffic; each flow matches its family's formula, and the
     experts' per-micro-step flows stay inside the node, as the dense ones do."""
-    for rank_result in launched(world, node_size):
+    for rank_result in launched_moe(world, node_size):
         result = rank_result["asynchzp"]
         tags = result["steady_per_step"]["by_tag"]
         for family, prefix in (("dense", "asynchzp"), ("expert:ep_size_2", "asynchzp.expert")):
@@ -112,15 +112,52 @@ def test_expert_traffic_crosses_nodes_once_per_step(launched, world, node_size):
         assert stock["expert"]["inter_node"] > 1.5 * by_family["expert"]["inter_node"]
 
 
-def test_moe_resume_is_bit_identical(launched):
-    for rank_result in launched(4, 2):
+def test_moe_resume_is_bit_identical(launched_moe):
+    for rank_result in launched_moe(4, 2):
         assert rank_result["resumed"]["bit_identical_losses"], rank_result["resumed"]["losses"]
         assert rank_result["resumed"]["param_rel_l2_diff"] == 0.0
 
 
-def test_foreign_partition_group_is_refused_by_name(launched):
-    for rank_result in launched(4, 2):
+def test_foreign_partition_group_is_refused_by_name(launched_moe):
+    for rank_result in launched_moe(4, 2):
         error = rank_result["foreign_group"]["error"]
         assert error is not None and error.startswith("AsyncHZPConfigError"), error
         assert "'extra.weight'" in error and "partitioned over ranks" in error
         assert "neither the data-parallel world" in error and "nor an AutoEP expert group" in error
+
+
+# ------------------------------------------------------------------ refused from the config, before any collective
+def _autoep_config(ep: int, **section) -> dict:
+    return {"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW"}, "async_hzp": section,
+            "expert_parallel": {"enabled": True, "autoep_size": ep, "preset_model": "mixtral"}}
+
+
+def test_autoep_needs_the_world_as_optimizer_group():
+    from ds_asynchzp.config import resolve_layout
+    from ds_asynchzp.errors import AsyncHZPConfigError
+
+    with pytest.raises(AsyncHZPConfigError, match=r"async_hzp\.optimizer_shard_size.*is 2, fewer than the world"):
+        resolve_layout(_autoep_config(2, node_size=2, optimizer_shard_size=2), 4, 2)
+    # Unset, it is the world; "auto" picks the world too, whatever the budget would prefer.
+    assert resolve_layout(_autoep_config(2, node_size=2), 4, 2).optimizer_shard_size == 4
+    auto = resolve_layout(_autoep_config(2, node_size=2, param_shard_size="auto", optimizer_shard_size="auto",
+                                         memory_budget_gb=1000.0), 8, 2, num_parameters=10**6)
+    assert auto.optimizer_shard_size == 8
+
+
+@pytest.mark.parametrize("world,node,ep,ok", [(8, 4, 2, True), (8, 4, 4, True), (16, 4, 8, True), (12, 4, 6, True),
+                                              (12, 4, 3, False), (6, 3, 2, False)])
+def test_autoep_size_must_give_every_node_the_same_expert_group_count(world, node, ep, ok):
+    from ds_asynchzp.config import resolve_layout
+    from ds_asynchzp.errors import AsyncHZPConfigError
+    from ds_asynchzp.planner.moe import MoeInputs, check
+
+    config = _autoep_config(ep, node_size=node)
+    if ok:
+        assert resolve_layout(config, world, node).world_size == world
+        check(MoeInputs(10, ep), 100, world, node)
+        return
+    with pytest.raises(AsyncHZPConfigError, match=r"expert_parallel\.autoep_size.*different numbers of ranks"):
+        resolve_layout(config, world, node)
+    with pytest.raises(ValueError, match="must divide the node size"):
+        check(MoeInputs(10, ep), 100, world, node)

@@ -547,3 +547,9 @@ def test_plan_cli_prints_families(capsys):
                      "--inter-bw", "200Gbit", "--grad-accum", "8", "--device-memory", "80GB"]) == 0
     out = capsys.readouterr().out
     assert "expert inter GB" in out and "hpz: not planned" in out and "32 ranks, 1 per node" in out
+
+
+def test_check_refuses_moe_results_by_name():
+    results = {"config": {"model": "moe", "ep_size": 2, "nproc": 4, "node_size": 2}, "arms": {}}
+    with pytest.raises(ValueError, match="MoE model.*--check covers dense models only"):
+        planner.check_results(results)

@@ -300,8 +300,9 @@ def plan(num_params: int, world: int, node_size: int, grad_accum: int = 1, dtype
     nothing within the budget, the arms are planned with the smallest-memory layout, which the memory columns
     then flag. ``grad_accum_dtype`` (default: ``dtype``) is ``data_types.grad_accum_dtype``.
 
-    With ``moe`` (AutoEP's routed experts, `planner.moe`), the layout and the arms' dense figures are those of the
-    dense parameters; every arm adds its experts' memory and bytes and the token all-to-all, split under
+    With ``moe`` (AutoEP's routed experts, `planner.moe`), ``d_o`` is the world (the only one AutoEP allows), the
+    layout is chosen for the dense parameters within the budget (the experts' states come on top of it: the
+    memory columns include them, the "auto" pick does not weigh them) and the arms' dense figures are theirs; every arm adds its experts' memory and bytes and the token all-to-all, split under
     ``by_family``; arms DeepSpeed cannot run with AutoEP are marked ``unavailable``.
     """
     if moe is not None:
@@ -325,10 +326,18 @@ def plan(num_params: int, world: int, node_size: int, grad_accum: int = 1, dtype
         budget, budget_source = float(sizing.default_budget_bytes(node_size)), "detected on this machine"
     common = dict(grad_accum=grad_accum, dtype=dtype, grad_accum_dtype=grad_accum_dtype, budget_bytes=budget,
                   intra_bw=intra_bw, inter_bw=inter_bw)
-    auto = resolve_plan_layout(num_params, world, node_size, dict.fromkeys(sizing.SIZE_KEYS, "auto"), **common)
+    auto_sizes = dict.fromkeys(sizing.SIZE_KEYS, "auto")
+    sizes = dict(zip(sizing.SIZE_KEYS, (param_shard_size, grad_shard_size, optimizer_shard_size)))
+    if moe is not None:  # AutoEP allows d_o = world only (config_compat.expert_issues); "auto" picks it
+        auto_sizes["optimizer_shard_size"] = world
+        if sizes["optimizer_shard_size"] in ("auto", None):
+            sizes["optimizer_shard_size"] = world
+        elif sizes["optimizer_shard_size"] != world:
+            raise ValueError(f"optimizer shard size {sizes['optimizer_shard_size']}: with AutoEP experts it must be "
+                             f"the world size {world}")
+    auto = resolve_plan_layout(num_params, world, node_size, auto_sizes, **common)
     auto.update(budget_bytes=budget, budget_source=budget_source)
 
-    sizes = dict(zip(sizing.SIZE_KEYS, (param_shard_size, grad_shard_size, optimizer_shard_size)))
     chosen = resolve_plan_layout(num_params, world, node_size, sizes, **common)
     given = ", ".join(f"{k}={v}" for k, v in sizes.items() if isinstance(v, int))
     if chosen["error"] is None:
@@ -506,6 +515,11 @@ def check_results(results: dict) -> dict:
     to a multiple of its ``d_o``: the arm entry's ``elements`` if recorded, else the results' elements when
     ``d_o`` is the world, else counted from the benchmark's model."""
     config = results["config"]
+    if config.get("ep_size"):
+        # The ledger splits such a run by family (`summary.md`); the formulas here are for one dense layout.
+        raise ValueError(f"the results are of an MoE model ({config.get('model')!r}, ep {config['ep_size']}); "
+                         "--check covers dense models only: compare its families table with "
+                         "`asynchzp-plan --expert-params ... --ep-size ...` instead")
     world = int(config.get("world_size") or config["nproc"])
     node_size, dtype = int(config["node_size"]), config.get("dtype", "fp32")
     world_elements = results.get("elements") or config.get("elements")

@@ -154,7 +154,8 @@ def format_plan(result: dict) -> str:
         group = moe["expert_group"]
         lines.append(f"experts: {_params(moe['expert_params'])} routed-expert params over ep {moe['ep_size']}; each "
                      f"rank's experts live on an expert-data-parallel group of {group['members']} ranks, "
-                     f"{group['per_node']} per node; --params above counts the dense ones")
+                     f"{group['per_node']} per node; the layout is chosen for the dense parameters (--params minus "
+                     "--expert-params) with d_o = the world; the experts' states come on top of its budget")
     header = ["arm", "model states/rank", "fits", "intra GB/step", "inter GB/step", "intra s", "inter s",
               "comm s/step"]
     if moe is not None:

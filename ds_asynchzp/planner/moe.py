@@ -2,7 +2,7 @@
 
 AutoEP spreads the E_total routed-expert parameters over `ep` ranks (each holds E_total / ep of them) and
 partitions each rank's experts over its expert-data-parallel (EDP) group: the N / ep ranks that hold the same
-experts, one every `ep` ranks, so `G_e = G / ep` of them share a node (1 when `ep` is a multiple of the node
+experts, one every `ep` ranks, so `G_e = G / ep` of them share a node (1 when `ep` is at least the node
 size). Per optimizer step, per rank:
 
 * dense: the arm's formula (`planner.arm_bytes`) over the dense parameters, Psi - E_total;
@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..accounting import sizing, traffic
-from ..layout import HierarchicalLayout, expert_layout
+from ..layout import HierarchicalLayout, expert_layout, expert_members_per_node
 
 TOKEN_PASSES = 4          # dispatch and combine, forward and backward
 UNSUPPORTED_ARMS = {"hpz": "DeepSpeed 0.19.8 refuses hpZ together with AutoEP",
@@ -44,14 +44,14 @@ def check(moe: MoeInputs, num_params: int, world: int, node_size: int) -> None:
                          f"({num_params})")
     if moe.ep_size < 1 or world % moe.ep_size:
         raise ValueError(f"ep size {moe.ep_size} must divide the world size {world}")
-    if node_size % moe.ep_size and moe.ep_size % node_size:
-        raise ValueError(f"ep size {moe.ep_size} must divide the node size {node_size} or be a multiple of it "
-                         "(async_hzp needs the same number of an expert group's ranks on every node)")
+    if expert_members_per_node(world, node_size, moe.ep_size) is None:
+        raise ValueError(f"ep size {moe.ep_size} must divide the node size {node_size} or be at least the node "
+                         "size (async_hzp needs the same number of an expert group's ranks on every node)")
 
 
 def expert_world(moe: MoeInputs, world: int, node_size: int) -> tuple[int, int]:
     """(E: ranks of an EDP group, G_e: of them on one node)."""
-    return world // moe.ep_size, max(1, node_size // moe.ep_size)
+    return world // moe.ep_size, expert_members_per_node(world, node_size, moe.ep_size)
 
 
 def token_bytes(moe: MoeInputs, world: int, node_size: int, grad_accum: int, value_bytes: float) -> dict:

@@ -72,7 +72,7 @@ def _expert_layout(name: str, ranks: List[int], dense: HierarchicalLayout) -> Hi
             f"puts {counts[0]} and {counts[-1]} ranks of expert-data-parallel group {name} ({ranks}) on different "
             f"nodes of {dense.node_size} ranks; async_hzp lays experts out node by node and needs the same count "
             "on every node.",
-            "use an autoep_size that divides the node size, or a multiple of it.")
+            "use an autoep_size that divides the node size, or one of at least the node size.")
     return expert_layout(len(ranks), counts[0], dense)
 
 
@@ -88,14 +88,14 @@ def families_of(module, dp_handle, dense: HierarchicalLayout) -> List[Family]:
     """Classify the module's parameters (collective: every rank learns every EDP group, to create their groups
     in one order). The dense family comes first; a family without parameters on this rank is still returned."""
     dp_ranks = group_ranks(dp_handle)
-    dp_set = set(dp_ranks)
     dense_family = Family(DENSE, dense, tuple(dp_ranks), dp_handle, [tuple(dp_ranks)])
     experts: Dict[str, Family] = {}
     for name, param in module.named_parameters():
         family = placement_family(param)
         group = resolved_partition_group(param)
         if family == REPLICATED_FAMILY:
-            if group is not None and group is not dp_handle and set(group_ranks(group)) != dp_set:
+            # In order: a parameter's atoms follow the group rank, so a reordered world would misplace them.
+            if group is not None and group is not dp_handle and group_ranks(group) != dp_ranks:
                 raise _reject(name, f"is partitioned over ranks {group_ranks(group)}, neither the data-parallel "
                                     f"world {dp_ranks} nor an AutoEP expert group")
             dense_family.param_ids.add(id(param))
