@@ -50,12 +50,18 @@ def ds_config(case: dict) -> dict:
         config["async_hzp"] = dict(case["async_hzp"], log_layout=False)
     if case.get("universal"):
         config["checkpoint"] = {"load_universal": True}
+    if case.get("autoep_size"):
+        from ds_asynchzp.bench.moe_model import autoep_config
+        config["expert_parallel"] = autoep_config(case["autoep_size"])
     return config
 
 
 def build_engine(case: dict, seed: int = 7):
-    model_config = dataclasses.replace(MODEL_PRESETS["tiny"], **case.get("model", {}))
-    model = build_model(model_config, seed=seed)
+    if case.get("autoep_size"):
+        from ds_asynchzp.bench.moe_model import build_moe_model
+        model = build_moe_model("moe", SEQ_LEN, seed=seed)
+    else:
+        model = build_model(dataclasses.replace(MODEL_PRESETS["tiny"], **case.get("model", {})), seed=seed)
     init = ds_asynchzp.initialize if case.get("async_hzp") is not None else deepspeed.initialize
     engine, *_ = init(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                       config=ds_config(case))
@@ -129,15 +135,23 @@ def save_run(payload: dict) -> dict:
         reference = consolidated(engine)
         scheduler_at_save = _scheduler_state(engine)
         engine.save_checkpoint(directory, tag=f"step{payload['save_at']}")
+        refused_16bit = None
         if case.get("save_16bit"):
-            assert engine.save_16bit_model(os.path.join(directory, "16bit"))
+            try:
+                assert engine.save_16bit_model(os.path.join(directory, "16bit"))
+            except NotImplementedError as error:  # DeepSpeed's refusal, on every rank before any collective
+                refused_16bit = str(error)
         if rank == 0:
             torch.save(reference, os.path.join(directory, "reference.pt"))
+        if case.get("autoep_size"):
+            # Each rank holds its own experts: the reference of a resumed rank is that of the saved rank with the
+            # same experts (ranks r and r + k * ep_size hold the same ones).
+            torch.save(reference, os.path.join(directory, f"reference_rank{rank}.pt"))
         # Saving must not change the run: the uninterrupted reference continues from here.
         assert max_diff(consolidated(engine), reference) == 0.0
         after = train(engine, case, payload["save_at"], payload["steps_after"])
         results[case["name"]] = {"losses_before": before, "losses_after": after, "scheduler_at_save": scheduler_at_save,
-                                 "files": sorted(os.listdir(directory))}
+                                 "files": sorted(os.listdir(directory)), "refused_16bit": refused_16bit}
         engine.destroy()
     return results
 
@@ -189,7 +203,7 @@ def resume_case(case: dict) -> dict:
     result["global_steps"] = engine.global_steps
     result["scheduler_after_load"] = _scheduler_state(engine)
     if case.get("reference"):
-        reference = torch.load(case["reference"], weights_only=True)
+        reference = torch.load(case["reference"].format(rank=rank), weights_only=True)
         result["max_param_diff"] = max_diff(consolidated(engine), reference)
     if case.get("steps_after"):
         result["losses_after"] = train(engine, case, case["first_step"], case["steps_after"])

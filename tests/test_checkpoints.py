@@ -19,6 +19,8 @@ import pytest
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
+import torch  # noqa: E402
+
 from ds_asynchzp.bench.launch import RankFailure, launch_local  # noqa: E402
 from ds_asynchzp.errors import CheckpointError  # noqa: E402
 from tests.dist_harness import LAUNCH_TIMEOUT_S, REPO_ROOT  # noqa: E402
@@ -39,6 +41,8 @@ SAVED = {
     # d_o < N: two optimizer replicas, of which only the first writes files.
     "p2_g4_o4": {"micro_batch": 1, "gas": 2, "async_hzp": hzp(4, 2, 4, 4), "knobs": "defaults"},
     "zero3": {"micro_batch": 2, "gas": 1},
+    # A tiny random Mixtral under AutoEP (ep 2): experts laid out inside their expert-data-parallel group.
+    "moe": {"micro_batch": 1, "gas": 2, "autoep_size": 2, "async_hzp": hzp(4, 4, 4, 8), "save_16bit": True},
 }
 # World 4 = 2 nodes x 2 ranks, the same global batch of 16: (saved case, how it loads, the resumed layout).
 RESUMED = {
@@ -47,7 +51,9 @@ RESUMED = {
     "p2_g4_o4_to_p1_g2_o2": ("p2_g4_o4", {"micro_batch": 2, "gas": 2, "async_hzp": hzp(2, 1, 2, 2)}),
     "zero3_to_p2_g2_o2": ("zero3", {"micro_batch": 1, "gas": 4, "async_hzp": hzp(2, 2, 2, 2)}),
     "p4_g4_o8_to_zero3": ("p4_g4_o8", {"micro_batch": 4, "gas": 1}),
+    "moe_p4_g4_o8_to_p1_g2_o4": ("moe", {"micro_batch": 2, "gas": 2, "autoep_size": 2, "async_hzp": hzp(2, 1, 2, 4)}),
 }
+DENSE_SAVED = [name for name, case in SAVED.items() if not case.get("autoep_size")]
 
 
 def _launch(target: str, nproc: int, node_size: int, payload: dict) -> list:
@@ -66,9 +72,7 @@ def to_universal(directory: Path, tag: str) -> Path:
     return output
 
 
-def load_reference(path: Path) -> dict:
-    import torch
-
+def load_reference(path: Path):
     return torch.load(path, weights_only=True)
 
 
@@ -114,8 +118,11 @@ def resumed(saved, killed, tmp_path_factory):
     errors = _error_fixtures(tmp_path_factory.mktemp("broken"), saved_root)
     cases = []
     for name, (source, case) in RESUMED.items():
+        # With AutoEP each rank holds its own experts: rank r holds those of saved rank r (ep rank r mod 2, at
+        # both sizes), whose consolidated weights are its reference.
+        reference = "reference_rank{rank}.pt" if case.get("autoep_size") else "reference.pt"
         cases.append(dict(case, name=name, universal=True, load_dir=str(saved_root / source), first_step=SAVE_AT,
-                          steps_after=STEPS_AFTER, reference=str(saved_root / source / "reference.pt")))
+                          steps_after=STEPS_AFTER, reference=str(saved_root / source / reference)))
     base = {"micro_batch": 1, "gas": 4, "async_hzp": hzp(2, 1, 2, 4)}
     cases += [
         dict(base, name="errors", errors={"truncated": str(errors["truncated"][0]),
@@ -139,7 +146,7 @@ def resumed(saved, killed, tmp_path_factory):
 
 
 # --------------------------------------------------------------------------------------- DeepSpeed's tools
-@pytest.mark.parametrize("name", list(SAVED))
+@pytest.mark.parametrize("name", DENSE_SAVED)
 def test_zero_to_fp32_gives_the_consolidated_weights(saved, name):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -177,6 +184,31 @@ def test_save_16bit_model_gives_the_consolidated_weights(saved):
     assert set(weights) == set(reference) | {"lm_head.weight"}
     for key, value in reference.items():
         assert (weights[key].float() == value).all(), key
+
+
+def _universal_fp32(directory: Path, name: str):
+    state = load_reference(directory / "zero" / name / "fp32.pt")
+    return state["param"] if isinstance(state, dict) else state
+
+
+def test_moe_checkpoint_converts_to_the_consolidated_weights(saved):
+    """With AutoEP, DeepSpeed's zero_to_fp32 and save_16bit_model refuse expert-partitioned checkpoints (stock
+    ZeRO-3's alike) and point to ds_to_universal: the universal checkpoint holds every parameter in full, the
+    experts of all expert-parallel ranks stacked, equal to the engine's consolidated weights."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    root, results = saved
+    with pytest.raises(NotImplementedError, match="ds_to_universal"):
+        get_fp32_state_dict_from_zero_checkpoint(str(root / "moe"), tag=TAG)
+    # save_16bit_model alike, on every rank.
+    assert all("ds_to_universal" in (r["moe"]["refused_16bit"] or "") for r in results), results[0]["moe"]
+    assert not (root / "moe" / "16bit").exists()
+    by_ep_rank = [load_reference(root / "moe" / f"reference_rank{r}.pt") for r in range(2)]
+    universal = root / "moe" / f"{TAG}_universal"
+    for key, value in by_ep_rank[0].items():
+        expected = torch.cat([ref[key] for ref in by_ep_rank]) if ".experts." in key else value
+        got = _universal_fp32(universal, key)  # dense parameters flat, experts in their stacked shape
+        assert got.numel() == expected.numel() and (got.view(expected.shape) == expected).all(), key
 
 
 # ------------------------------------------------------------------------------------- another world size
