@@ -160,3 +160,29 @@ def test_quantized_training_converges_like_zero3(results, case):
     _, quantized = _final_loss(results, case)
     assert zero3 < 0.7 * first, (first, zero3)          # the run really trained
     assert abs(quantized - zero3) <= CONVERGENCE_RTOL * zero3, (quantized, zero3)
+
+
+def test_rank_state_of_the_first_format_still_loads(tmp_path):
+    """Files of format 1 held the dense family's residual alone; they load into the dense family."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from ds_asynchzp.runtime import rank_state
+    from ds_asynchzp.state.error_feedback import ErrorFeedback
+
+    layout = resolve_layout({"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW"},
+                             "async_hzp": CROSS}, WORLD, NODE)
+    feedback = ErrorFeedback(2, 3, "cpu")
+    optimizer = SimpleNamespace(hzp_layout=layout, hzp_error_feedbacks=lambda: {"dense": feedback})
+    engine = SimpleNamespace(optimizer=optimizer, global_rank=1)
+    saved = torch.arange(6, dtype=torch.float32).view(2, 3)
+    torch.save({"format": "ds_asynchzp-rank-state/1", "rank": 1, "layout": rank_state._layout_of(optimizer),
+                "error_feedback": {"residual": saved}}, tmp_path / rank_state.file_name(1))
+    rank_state.load(engine, str(tmp_path), same_layout=True)
+    assert torch.equal(feedback.residual, saved)
+    # And the current format round-trips.
+    rank_state.save(engine, str(tmp_path / "again"))
+    feedback.reset()
+    rank_state.load(engine, str(tmp_path / "again"), same_layout=True)
+    assert torch.equal(feedback.residual, saved)

@@ -286,7 +286,10 @@ class CommLedger:
     def set_expert_groups(self, token_groups, expert_groups) -> None:
         """AutoEP's groups of this rank: expert-parallel (tokens) and expert-data-parallel (expert weights)."""
         self.token_groups = {tuple(g) for g in token_groups}
-        self.expert_groups = {tuple(g) for g in expert_groups}
+        # With autoep_size 1 the expert-data-parallel group is the whole world, like the dense parameters': stock
+        # traffic over it cannot be told apart, and counts as dense (AsyncHZP's own flows are tagged).
+        world = tuple(range(self._backend.get_world_size()))
+        self.expert_groups = {tuple(g) for g in expert_groups if tuple(g) != world}
 
     def family_of(self, record: CommRecord) -> str:
         if record.tag.startswith("asynchzp.expert."):

@@ -94,7 +94,11 @@ class ParamGather:
     def source_of(self, param) -> GatherSource:
         source = self._source_of.get(param.ds_id)
         if source is None:
-            source = self._source_of[param.ds_id] = next(s for s in self.sources if s.shards.holds(param))
+            holders = [s for s in self.sources if s.shards.holds(param)]
+            if not holders:  # every trainable or frozen parameter was given a family at initialization
+                raise RuntimeError(f"parameter ds_id={param.ds_id} (shape {tuple(param.ds_shape)}) belongs to no "
+                                   "family's parameter shards; was it added to the model after initialize()?")
+            source = self._source_of[param.ds_id] = holders[0]
         return source
 
     # ------------------------------------------------------------------------------ the gather job

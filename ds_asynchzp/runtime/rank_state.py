@@ -17,7 +17,8 @@ import torch
 
 from ..errors import CheckpointError
 
-FILE_FORMAT = "ds_asynchzp-rank-state/1"
+FILE_FORMAT = "ds_asynchzp-rank-state/2"  # error_feedback: {family name: residual state}
+_FORMAT_1 = "ds_asynchzp-rank-state/1"      # error_feedback: the dense family's residual state alone
 _LAYOUT_KEYS = ("world_size", "node_size", "param_shard_size", "grad_shard_size", "optimizer_shard_size",
                 "gradient_quantization_bits", "quantization_block_size")
 
@@ -65,8 +66,10 @@ def load(engine, tag_dir: str, same_layout: bool) -> None:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as error:
             raise CheckpointError(f"{path}: unreadable ({type(error).__name__}: {str(error)[:300]})") from None
+        if isinstance(state, dict) and state.get("format") == _FORMAT_1:
+            state = dict(state, format=FILE_FORMAT, error_feedback={"dense": state.get("error_feedback")})
         if not isinstance(state, dict) or state.get("format") != FILE_FORMAT:
-            raise CheckpointError(f"{path}: not a per-rank state file of format {FILE_FORMAT}")
+            raise CheckpointError(f"{path}: not a per-rank state file of format {FILE_FORMAT} (or {_FORMAT_1})")
         if state.get("layout") != _layout_of(engine.optimizer):
             reason = f"{path} was saved under layout {state.get('layout')}"
         else:
