@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from ds_asynchzp.bench import cli
+from ds_asynchzp.bench import arms, cli
 from ds_asynchzp.bench.aggregate import aggregate_arm, merge_repeats
 from ds_asynchzp.bench.table import format_family_table, format_table
 
@@ -73,11 +73,11 @@ def test_arm_specs_name_a_base_arm_and_its_async_hzp_overrides():
     args = cli.parse_args(["--arms", "zero3,hpz,asynchzp,asynchzp:optimizer_shard_size=4",
                            "--nproc", "4", "--node-size", "2"])
     assert args.arms == ["zero3", "hpz", "asynchzp", "asynchzp:optimizer_shard_size=4"]
-    spec = cli.parse_arm_spec("asynchzp:param_shard_size=1:grad_shard_size=2")
+    spec = arms.parse_arm_spec("asynchzp:param_shard_size=1:grad_shard_size=2")
     assert (spec.name, spec.base, spec.overrides) == ("asynchzp:param_shard_size=1:grad_shard_size=2", "asynchzp",
                                                       {"param_shard_size": 1, "grad_shard_size": 2})
-    assert cli.parse_arm_spec("asynchzp:param_shard_size=auto").overrides == {"param_shard_size": "auto"}
-    assert cli.parse_arm_spec("zero3").overrides == {}
+    assert arms.parse_arm_spec("asynchzp:param_shard_size=auto").overrides == {"param_shard_size": "auto"}
+    assert arms.parse_arm_spec("zero3").overrides == {}
 
 
 @pytest.mark.parametrize("arms, fragments", [
@@ -144,9 +144,9 @@ def test_asynchzp_sync_arm_is_the_asynchzp_placement_with_synchronous_communicat
     name = "asynchzp-sync:param_shard_size=1"
     args = cli.parse_args(["--arms", f"zero3,asynchzp,asynchzp-sync,{name}", "--nproc", "4", "--node-size", "2"])
     assert args.arms == ["zero3", "asynchzp", "asynchzp-sync", name]
-    spec = cli.parse_arm_spec(name)
+    spec = arms.parse_arm_spec(name)
     assert (spec.base, spec.overrides) == ("asynchzp-sync", {"param_shard_size": 1})
-    assert spec.identity != cli.parse_arm_spec("asynchzp:param_shard_size=1").identity  # not a duplicate
+    assert spec.identity != arms.parse_arm_spec("asynchzp:param_shard_size=1").identity  # not a duplicate
     assert cli.ARMS["asynchzp-sync"][0] == ("AsyncHZP placement, communication synchronous on the training "
                                             "thread (A/B of the scheduling)")
 
@@ -162,7 +162,7 @@ def test_asynchzp_sync_arm_is_the_asynchzp_placement_with_synchronous_communicat
     config = cli.run_config(args)
     assert config["arm_overrides"]["asynchzp-sync"] == {"async_hzp": {"node_size": 2, "async_comm": False}}
     assert config["arm_specs"][name] == {"base": "asynchzp-sync", "overrides": {"param_shard_size": 1}}
-    assert "async_comm" not in cli.override_keys()
+    assert "async_comm" not in arms.override_keys()
 
 
 def test_comm_delay_reaches_every_payload_and_the_recorded_config():
@@ -368,8 +368,8 @@ def test_quantized_arms_set_their_key_alone_and_zeropp_is_reported_unavailable_o
     assert "CUDA kernels only" in cli.arm_unavailable("zeropp", args)
     assert cli.arm_unavailable("asynchzp-q", args) is None
     # An arm's own key cannot be overridden (it names the arm).
-    with pytest.raises(cli.ArmSpecError, match="quantize_cross_node"):
-        cli.parse_arm_spec("asynchzp-q:quantize_cross_node=false")
+    with pytest.raises(arms.ArmSpecError, match="quantize_cross_node"):
+        arms.parse_arm_spec("asynchzp-q:quantize_cross_node=false")
 
 
 def test_moe_model_adds_autoep_and_the_family_table():
@@ -395,3 +395,5 @@ def test_moe_model_adds_autoep_and_the_family_table():
     assert format_family_table({"arms": {"zero3": {"bytes_per_step_by_family": dense_only}}}) is None
     with pytest.raises(SystemExit):
         cli.parse_args(["--model", "moe", "--ep-size", "3", "--nproc", "4"])
+    with pytest.raises(SystemExit):  # expert groups of 2 ranks on one node and 1 on the other
+        cli.parse_args(["--model", "moe", "--ep-size", "2", "--nproc", "6", "--node-size", "3"])

@@ -90,6 +90,12 @@ def _assert_trained_with_asynchzp(out: str) -> tuple:
     return float(match.group(3)), float(match.group(1))
 
 
+def test_train_example_under_deepspeed_launcher(launcher_env):
+    """examples/README.md's first command: examples/train.py with ds_config_asynchzp.json on 4 CPU ranks."""
+    first, final = _assert_trained_with_asynchzp(_launch_train(launcher_env, steps=3))
+    assert final < first, (first, final)
+
+
 def test_moe_example_trains_autoep_experts_with_asynchzp(launcher_env):
     # train.py through ds_asynchzp.initialize under the real launcher (register() is the HF Trainer test's).
     out = _launch_train(launcher_env, "--model", "moe", config="ds_config_moe.json", steps=6)

@@ -19,49 +19,19 @@ import re
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..planner import QUANTIZED_ARMS
+from ..layout import expert_members_per_node
 from .aggregate import aggregate_arm, merge_repeats
+from .arms import (ARM_SECTION_KEYS, ARMS, DEFAULT_ARMS, OVERRIDABLE_ARMS, ArmSpec, ArmSpecError, parse_arm_spec,
+                   parse_arm_specs)
+from .launch import prepare_ops
 from .model import MODEL_PRESETS
 from .moe_model import MOE_PRESETS, autoep_config
 from .progress import StepProgress
 from .table import format_table
 
 WORKER_TARGET = "ds_asynchzp.bench.worker:run_arm"
-
-# arm -> (what it is, substring of the optimizer class the worker must find in the engine).
-ARMS = {
-    "zero3": ("stock DeepSpeed ZeRO-3", "DeepSpeedZeroOptimizer_Stage3"),
-    "hpz": ("stock ZeRO++ hpZ (secondary parameter partition inside a node)", "DeepSpeedZeroOptimizer_Stage3"),
-    "zeropp": ("stock ZeRO++: hpZ + qwZ (INT8 weight gathers) + qgZ (INT4 gradient all-to-all)",
-               "DeepSpeedZeroOptimizer_Stage3"),
-    "asynchzp": ("AsyncHZP (params+grads inside a node, optimizer states over the world)",
-                 "HierarchicalZeroOptimizer"),
-    "asynchzp-sync": ("AsyncHZP placement, communication synchronous on the training thread (A/B of the scheduling)",
-                      "HierarchicalZeroOptimizer"),
-    "asynchzp-q": ("AsyncHZP, cross-node gradient exchange and parameter refresh quantized (quantize_cross_node)",
-                   "HierarchicalZeroOptimizer"),
-    "asynchzp-qw": ("AsyncHZP, INT8 parameter gathers inside the node (quantized_weights)",
-                    "HierarchicalZeroOptimizer"),
-    "asynchzp-qg": ("AsyncHZP, every gradient reduction a quantized all-to-all (quantized_gradients)",
-                    "HierarchicalZeroOptimizer"),
-}
-DEFAULT_ARMS = "zero3,hpz,asynchzp"
-# Arms built on the ds_config's "async_hzp" section: only these take `BASE:key=value` overrides of that section.
-OVERRIDABLE_ARMS = ("asynchzp", "asynchzp-sync", *QUANTIZED_ARMS)
-# Section keys each of those arms fixes: asynchzp and asynchzp-sync differ in async_comm alone, so an A/B of them
-# isolates the scheduling; each quantized arm differs from asynchzp in its quantization key alone.
-ARM_SECTION_KEYS = {"asynchzp": {}, "asynchzp-sync": {"async_comm": False}, **QUANTIZED_ARMS}
-# Section keys an arm spec may not set, and why: "enabled": false would train stock ZeRO-3 under an AsyncHZP name;
-# "async_comm" is what the arm's name says, so flipping it would mislabel every figure of the arm.
-FORBIDDEN_OVERRIDE_KEYS = {
-    "enabled": "an asynchzp arm always enables the section; run the zero3 arm for stock ZeRO-3",
-    "async_comm": "the arm's name fixes it",
-}
-# async_comm value -> the arm that runs with it, named in the error that refuses the key.
-ASYNC_COMM_ARMS = {True: "asynchzp", False: "asynchzp-sync"}
 
 # ZeRO-3 settings shared by every arm, so that only the arm-specific key differs between runs.
 # Persistence thresholds 0 partition every parameter (small models would otherwise keep most of them whole);
@@ -200,124 +170,6 @@ def cpu_supports_fp16() -> bool:
         return False
 
 
-# ----------------------------------------------------------------------------------------------- arm specs
-class ArmSpecError(ValueError):
-    """A malformed ``--arms`` entry; the message names the spec (and the key, where one is at fault)."""
-
-
-@dataclass(frozen=True)
-class ArmSpec:
-    """One ``--arms`` entry, ``BASE[:key=value]...``: a known arm plus overrides of its ``async_hzp`` section.
-
-    `name` is the spec exactly as given; it names the arm everywhere (results.json, tables, plots, report)."""
-
-    name: str
-    base: str
-    overrides: dict = field(default_factory=dict)
-
-    @property
-    def identity(self) -> tuple:
-        # Same base and same overrides in any order: the same configuration, however it is spelled.
-        return self.base, tuple(sorted(self.overrides.items()))
-
-
-def override_keys() -> list[str]:
-    """Keys of the ``async_hzp`` section an arm spec may override (the section's own fields)."""
-    from ds_asynchzp.config import AsyncHZPConfig
-
-    return [k for k in AsyncHZPConfig.model_fields if k not in FORBIDDEN_OVERRIDE_KEYS]
-
-
-_INT = re.compile(r"[+-]?\d+")
-
-
-def _override_value(text: str):
-    """An override value as the JSON section would hold it: integers (shard and node sizes) or "auto"; also
-    numbers for memory_budget_gb, true/false and null, so every key of the section can be spelled."""
-    lowered = text.lower()
-    if lowered == "auto":
-        return "auto"
-    if _INT.fullmatch(text):
-        return int(text)
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    if lowered in ("null", "none"):
-        return None
-    try:
-        return float(text)
-    except ValueError:
-        raise ValueError(f"value {text!r} is not an integer or \"auto\"") from None
-
-
-def _async_comm_hint(base: str, raw: str, parts: list[str]) -> str:
-    """Which arm to run instead of overriding async_comm, spelled with the spec's other overrides."""
-    wanted = ASYNC_COMM_ARMS.get(raw.lower() == "true") if raw.lower() in ("true", "false") else None
-    if wanted is None:
-        return (f"{FORBIDDEN_OVERRIDE_KEYS['async_comm']}; run the asynchzp arm for communication on background "
-                "threads, the asynchzp-sync arm for synchronous communication")
-    if wanted == base:
-        return f"the {base} arm already runs with async_comm {raw.lower()}; leave the key out"
-    rest = [p for p in parts if p.partition("=")[0].strip() != "async_comm"]
-    return f"{FORBIDDEN_OVERRIDE_KEYS['async_comm']}; run the arm {':'.join([wanted, *rest])!r} instead"
-
-
-def parse_arm_spec(spec: str) -> ArmSpec:
-    """Parse ``BASE[:key=value]...``; raises `ArmSpecError` naming the spec, the offending key and the valid keys."""
-    base, *parts = [p.strip() for p in spec.strip().split(":")]
-    name = spec.strip()
-    if base not in ARMS:
-        raise ArmSpecError(f"unknown arm(s) {base!r} in arm spec {name!r}; choose from {', '.join(ARMS)}"
-                           if parts else f"unknown arm(s) {base!r}; choose from {', '.join(ARMS)}")
-    if not parts:
-        return ArmSpec(name, base, {})
-    valid = override_keys()
-    overrides: dict = {}
-    for part in parts:
-        key, sep, raw = (s.strip() for s in part.partition("="))
-        if not sep or not key or not raw:
-            raise ArmSpecError(f"arm spec {name!r}: override {part!r} is not key=value (syntax: "
-                               f"BASE[:key=value]...); valid keys: {', '.join(valid)}")
-        if base not in OVERRIDABLE_ARMS:
-            raise ArmSpecError(f"arm spec {name!r}: arm {base!r} takes no overrides (key {key!r}); only "
-                               f"{', '.join(OVERRIDABLE_ARMS)} arms take async_hzp keys (valid keys: "
-                               f"{', '.join(valid)})")
-        if key in FORBIDDEN_OVERRIDE_KEYS:
-            hint = _async_comm_hint(base, raw, parts) if key == "async_comm" else FORBIDDEN_OVERRIDE_KEYS[key]
-            raise ArmSpecError(f"arm spec {name!r}: key {key!r} cannot be overridden: {hint}; "
-                               f"valid keys: {', '.join(valid)}")
-        if key in QUANTIZED_ARMS.get(base, {}):
-            raise ArmSpecError(f"arm spec {name!r}: key {key!r} cannot be overridden: the {base} arm is defined by "
-                               f"{key}={str(QUANTIZED_ARMS[base][key]).lower()}; run the asynchzp arm with other "
-                               "quantization keys instead")
-        if key not in valid:
-            raise ArmSpecError(f"arm spec {name!r}: unknown key {key!r}; valid keys: {', '.join(valid)}")
-        if key in overrides:
-            raise ArmSpecError(f"arm spec {name!r}: key {key!r} given twice")
-        try:
-            overrides[key] = _override_value(raw)
-        except ValueError as exc:
-            raise ArmSpecError(f"arm spec {name!r}: key {key!r}: {exc}") from None
-    return ArmSpec(name, base, overrides)
-
-
-def parse_arm_specs(text: str) -> list[ArmSpec]:
-    """The comma-separated ``--arms`` value, in order; rejects an empty list and arms given twice."""
-    specs = [parse_arm_spec(a) for a in text.split(",") if a.strip()]
-    if not specs:
-        raise ArmSpecError("give at least one arm")
-    names = [s.name for s in specs]
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-        raise ArmSpecError(f"arm(s) listed twice: {', '.join(duplicates)}")
-    first: dict = {}
-    for s in specs:
-        if s.identity in first:
-            raise ArmSpecError(f"arm(s) listed twice: {first[s.identity]!r} and {s.name!r} are the same "
-                               "configuration")
-        first[s.identity] = s.name
-    return specs
-
-
 def _check_arm_config(spec: ArmSpec, args: argparse.Namespace) -> None:
     """Run the engine's own config check on an arm that sets section keys (its overrides, asynchzp-sync's
     async_comm) now, so a bad value fails before any rank starts.
@@ -377,6 +229,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "(or transformers==5.18.0)")
         if args.nproc % args.ep_size:
             parser.error(f"--ep-size {args.ep_size} must divide --nproc {args.nproc}")
+        if expert_members_per_node(args.nproc, args.node_size, args.ep_size) is None:
+            parser.error(f"--ep-size {args.ep_size} must divide --node-size {args.node_size} or be at least it "
+                         "(async_hzp needs the same number of an expert group's ranks on every node)")
     if args.warmup_steps >= args.steps:
         parser.error(f"--warmup-steps {args.warmup_steps} must be < --steps {args.steps}, "
                      "otherwise no steady-state step is left to average")
@@ -611,28 +466,6 @@ def _run_arms(args: argparse.Namespace, results: dict, cluster=None) -> None:
             comm = "" if exposed is None or busy is None else f", exposed comm {exposed:.3f}s (busy {busy:.3f}s)"
             print(f"{label}: done in {entry['wall_time_s']:.1f}s, final loss {entry['losses'][-1]:.6f}, "
                   f"median step {entry['median_step_time_s']:.3f}s{comm}", flush=True)
-
-
-def prepare_ops() -> None:
-    """Build the compiled ops the ranks load, here, before any rank starts, saying so: on a first run each takes
-    minutes on a small host, and every rank would otherwise sit at 0 % of its progress bar meanwhile. Both are
-    cached (DeepSpeed's CPU communication op by torch, ours by source hash); later runs only load them."""
-    from ds_asynchzp.bench.launch import scripts_first_on_path
-
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    scripts_first_on_path(os.environ)    # the ninja the ranks will use, so they find the build cached
-    started = time.monotonic()
-    print("preparing: DeepSpeed's CPU communication op (built on first use, a few minutes; cached afterwards) ...",
-          flush=True)
-    from deepspeed.accelerator import get_accelerator
-
-    get_accelerator().create_op_builder("ShareMemCommBuilder").load()
-    print(f"preparing: DeepSpeed's CPU communication op ready ({time.monotonic() - started:.1f} s); the package's "
-          "ops ...", flush=True)
-    started = time.monotonic()
-    from ds_asynchzp import ops
-
-    print(f"preparing: the package's ops: {ops.status('cpu')} ({time.monotonic() - started:.1f} s)", flush=True)
 
 
 def run_benchmark(args: argparse.Namespace) -> dict:

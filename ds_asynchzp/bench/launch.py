@@ -1,6 +1,7 @@
 """Start N local CPU ranks of a Python worker function and collect their results.
 
-Used by the test-suite and the benchmark CLI. Every rank is a separate interpreter in
+Used by the test-suite and the benchmark CLI (which also builds the compiled ops here, before any rank
+starts: `prepare_ops`). Every rank is a separate interpreter in
 its own process group, so the whole tree a rank spawns can be killed at once, and no
 rank outlives :func:`launch_local` on any path (success, failure, timeout, Ctrl-C).
 """
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, IO
 
-__all__ = ["launch_local", "free_port", "RankFailure"]
+__all__ = ["launch_local", "free_port", "prepare_ops", "RankFailure"]
 
 # After the first rank fails, peers usually fail too (broken collectives); a short grace
 # lets them write their own errors before being killed.
@@ -306,3 +307,23 @@ def _timeout_message(still_running: list[_Rank], timeout_s: float, target: str) 
     if len(still_running) > 8:
         parts.append(f"... {len(still_running) - 8} more; logs in {still_running[0].log_path.parent}")
     return "\n".join(parts)
+
+
+def prepare_ops() -> None:
+    """Build the compiled ops the ranks load, here, before any rank starts, saying so: on a first run each takes
+    minutes on a small host, and every rank would otherwise sit at 0 % of its progress bar meanwhile. Both are
+    cached (DeepSpeed's CPU communication op by torch, ours by source hash); later runs only load them."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    scripts_first_on_path(os.environ)    # the ninja the ranks will use, so they find the build cached
+    started = time.monotonic()
+    print("preparing: DeepSpeed's CPU communication op (built on first use, a few minutes; cached afterwards) ...",
+          flush=True)
+    from deepspeed.accelerator import get_accelerator
+
+    get_accelerator().create_op_builder("ShareMemCommBuilder").load()
+    print(f"preparing: DeepSpeed's CPU communication op ready ({time.monotonic() - started:.1f} s); the package's "
+          "ops ...", flush=True)
+    started = time.monotonic()
+    from ds_asynchzp import ops
+
+    print(f"preparing: the package's ops: {ops.status('cpu')} ({time.monotonic() - started:.1f} s)", flush=True)
