@@ -450,3 +450,19 @@ def train_until_killed(payload: dict) -> dict:
             engine.backward(loss)
             engine.step()
     return {"rank": rank, "survived": True}
+
+
+def finish_unevenly(payload: dict) -> dict:
+    """Train a step, then one rank returns at once while the others take a few more seconds: the early rank ends
+    normally (its process exits), which must not look like a lost rank to the others' peer monitors."""
+    deepspeed.init_distributed(dist_backend="gloo")
+    case = {"name": "uneven", "gas": 1, "steps": 1, "async_hzp": {"node_size": payload["node_size"]}}
+    engine = _build_engine(case)
+    rank, world = deepspeed.comm.get_rank(), deepspeed.comm.get_world_size()
+    x, y = batch_for(0, 0, rank, world, 2, 32, seed=11)
+    engine.backward(engine(x, y))
+    engine.step()
+    deepspeed.comm.barrier()
+    if rank != payload["early"]:
+        time.sleep(payload["linger_s"])  # several polls of the monitor after the early rank has gone
+    return {"rank": rank}

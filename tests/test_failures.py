@@ -140,6 +140,14 @@ def test_a_rank_killed_mid_step_ends_every_other_rank_naming_it(tmp_path, monkey
     assert _survivor_messages(tmp_path / "run", victim=1) == {0: True, 2: True, 3: True}
 
 
+def test_a_rank_that_finishes_first_is_not_taken_for_lost(deepspeed_cpu_ops, tmp_path):
+    # The rank entry ends processes with os._exit (no atexit): it must close the peer monitor itself first.
+    payload = {"node_size": 2, "early": 1, "linger_s": 3.0}
+    results = launch_local("tests._dist_workers:finish_unevenly", 4, 2, payload, timeout_s=300,
+                           workdir=str(tmp_path / "run"), env={"PYTHONPATH": str(REPO_ROOT)})
+    assert [r["rank"] for r in results] == [0, 1, 2, 3]
+
+
 def test_a_rank_killed_under_the_deepspeed_launcher_is_named(deepspeed_cpu_ops):
     deepspeed_cli = Path(sys.executable).with_name("deepspeed")
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}

@@ -36,6 +36,19 @@ def _write_atomically(path: str, text: str) -> None:
     os.replace(tmp_path, path)
 
 
+def _close_communication() -> None:
+    """Stop any engine's communication threads and peer monitor the target left running. The process ends with
+    os._exit (below), which skips the atexit hook that would do it; a monitor left unclosed would make this rank,
+    ending normally, look lost to a peer still finishing."""
+    context = sys.modules.get("ds_asynchzp.scheduler.context")
+    if context is None:
+        return
+    try:
+        context.close_all()
+    except Exception:  # noqa: BLE001 - the outcome is already decided; report, do not change it
+        traceback.print_exc()
+
+
 def main(argv: list[str] | None = None) -> int:
     target, payload_path, result_path = sys.argv[1:] if argv is None else argv
 
@@ -59,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         text = json.dumps({"ok": False, "error": error})
         exit_code = 1
 
+    _close_communication()
     _write_atomically(result_path, text)
     sys.stdout.flush()
     sys.stderr.flush()

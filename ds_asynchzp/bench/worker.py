@@ -274,7 +274,7 @@ def run_arm(payload: dict) -> dict:
                                    "inter_node": v["inter_node"] / steady_steps}
                             for name, v in totals["by_family"].items()}}
 
-    return {
+    result = {
         "rank": rank,
         "world_size": world,
         # Bytes per steady optimizer step, totalled over all steady steps (see above).
@@ -293,3 +293,7 @@ def run_arm(payload: dict) -> dict:
         "buffer_allocations": (engine.optimizer.hzp_buffer_allocations()
                                if hasattr(engine.optimizer, "hzp_buffer_allocations") else None),
     }
+    # Joins the communication threads and tells the peer monitors that this rank ends cleanly, before any rank
+    # exits: a rank that is done must not look lost to one still finishing.
+    engine.destroy()
+    return result

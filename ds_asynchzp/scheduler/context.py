@@ -74,7 +74,8 @@ def live_contexts() -> list:
 
 
 @atexit.register
-def _close_all_at_exit() -> None:
+def close_all() -> None:
+    """Close every live context: at interpreter exit, and before a process that skips it (`os._exit`) ends."""
     for context in list(_LIVE):
         context.close()
 
