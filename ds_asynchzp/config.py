@@ -129,7 +129,8 @@ class AsyncHZPConfig(BaseModel):
     boundary_bucket_size: Optional[_PositiveInt] = Field(
         None,
         description="Elements per cross-node chunk of the once-per-step gradient reduction and parameter "
-        "refresh. Default: zero_optimization.reduce_bucket_size.",
+        "refresh. Default: zero_optimization.reduce_bucket_size, at most 8388608 (2^23), so that the exchange "
+        "starts during the last backward even under DeepSpeed's default bucket of 5e8.",
     )
     comm_timeout_s: float = Field(
         300.0,

@@ -63,3 +63,13 @@ def test_steady_state_allocates_no_communication_buffer(launched):
                 assert counts[-1] == counts[2] > 0, (name, counts)
                 checked += 1
     assert checked
+
+
+def test_boundary_chunks_stay_small_under_deepspeeds_default_bucket():
+    # DeepSpeed's default reduce_bucket_size (5e8) would make the cross-node exchange one chunk, started only
+    # after the last backward; the default caps it, an explicit boundary_bucket_size is taken as given.
+    from ds_asynchzp.comm.step_boundary import DEFAULT_MAX_BUCKET_ELEMENTS, bucket_elements
+
+    assert bucket_elements(None, 500_000_000) == DEFAULT_MAX_BUCKET_ELEMENTS == 2**23
+    assert bucket_elements(None, 500_000) == 500_000
+    assert bucket_elements(10**9, 500_000_000) == 10**9

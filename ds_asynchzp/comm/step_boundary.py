@@ -43,6 +43,20 @@ from . import quantized
 from .collectives import all_gather, all_reduce, all_to_all, backend_reduce_scatter_is_optimal, reduce_scatter, scratch
 
 
+# DeepSpeed's default reduce_bucket_size (5e8 elements) would make most models' whole shard one chunk, whose
+# exchange could start only once the last backward has ended. Chunks of at most 8 Mi elements (16 MB in bf16,
+# near DDP's 25 MB buckets) let it start during the backward; on the emulated 2 x 4 cluster smaller chunks left
+# a shorter tail after the backward (docs/benchmarks, boundary bucket sweep).
+DEFAULT_MAX_BUCKET_ELEMENTS = 1 << 23
+
+
+def bucket_elements(configured: Optional[int], reduce_bucket_size) -> int:
+    """Elements per chunk: `async_hzp.boundary_bucket_size` if set, else reduce_bucket_size up to the cap."""
+    if configured:
+        return int(configured)
+    return max(1, min(int(reduce_bucket_size), DEFAULT_MAX_BUCKET_ELEMENTS))
+
+
 class _Chunks:
     """The column chunks of one buffer, which chunks a parameter's columns fall in, and how each chunk is cut
     into parameters (the segments a quantized flow restarts its blocks at)."""

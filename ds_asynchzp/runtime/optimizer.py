@@ -38,6 +38,7 @@ from ..comm.collectives import broadcast
 from ..comm.grad_reduce import GradReduce
 from ..comm.param_gather import GatherSource, ParamGather
 from ..comm.step_boundary import StepBoundary
+from ..comm.step_boundary import bucket_elements as boundary_bucket_elements
 from ..config import ResolvedLayout
 from ..quantization import QuantizationPlan
 from ..scheduler.context import CommContext
@@ -110,7 +111,7 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             next(p.ds_tensor.device for p in module.parameters() if is_zero_param(p))
         self.hzp_comm = CommContext(layout.async_comm, layout.comm_timeout_s, device, ds_comm.get_rank(),
                                     ds_comm.get_world_size())
-        bucket = layout.boundary_bucket_size or max(int(self.reduce_bucket_size), 1)
+        bucket = boundary_bucket_elements(layout.boundary_bucket_size, self.reduce_bucket_size)
         for placement in self.hzp_placements:
             self._hzp_build_flows(placement, bucket, layout.world_size, device)
         self.hzp_pool = BufferPool()
