@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import shutil
 import tempfile
 import time
 
@@ -283,6 +284,9 @@ def train_case(case: dict) -> dict:
             engine.destroy()
             engine = _build_engine(dict(case, seed=case.get("seed", 7) + 1))  # different init: must be overwritten
             engine.load_checkpoint(directory, tag="resume")
+            deepspeed.comm.barrier()  # every rank has read it
+            if rank == 0:
+                shutil.rmtree(directory, ignore_errors=True)
             if case.get("forget_error_feedback"):
                 # The negative control: as if the checkpoint had not kept the error-feedback residual.
                 engine.optimizer.hzp_error_feedback.reset()
