@@ -129,15 +129,19 @@ def expert_layout(members: int, members_per_node: int, dense: HierarchicalLayout
                               math.gcd(dense.grad_shard_size, members_per_node), members)
 
 
+def members_per_node(ranks, node_size: int) -> int | None:
+    """How many of `ranks` each node they touch holds, or None when that differs between nodes."""
+    per_node: dict = {}
+    for rank in ranks:
+        per_node[rank // node_size] = per_node.get(rank // node_size, 0) + 1
+    counts = set(per_node.values())
+    return counts.pop() if len(counts) == 1 else None
+
+
 def expert_members_per_node(world: int, node_size: int, ep_size: int) -> int | None:
     """Ranks of one AutoEP expert-data-parallel group on each node it touches, or None when that count differs
-    between nodes (a layout async_hzp cannot build). DeepSpeed's EDP groups are strided: {k, k + ep, k + 2 ep,
-    ...} for k < ep. With ep dividing the node size each node holds node_size / ep of them; with ep at least the
-    node size, one per node; otherwise the count varies from node to node."""
-    counts = set()
-    for first in range(ep_size):
-        per_node: dict = {}
-        for rank in range(first, world, ep_size):
-            per_node[rank // node_size] = per_node.get(rank // node_size, 0) + 1
-        counts.update(per_node.values())
+    between nodes or groups (a layout async_hzp cannot build). DeepSpeed's EDP groups are strided: {k, k + ep,
+    k + 2 ep, ...} for k < ep. With ep dividing the node size each node holds node_size / ep of them; with ep at
+    least the node size, one per node; otherwise the count varies from node to node."""
+    counts = {members_per_node(range(first, world, ep_size), node_size) for first in range(ep_size)}
     return counts.pop() if len(counts) == 1 else None

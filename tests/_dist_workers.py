@@ -87,17 +87,13 @@ def _element_counts(model, world: int, which=lambda param: True) -> dict:
 
 def _families(engine):
     """Per AsyncHZP family: its layout and its element counts, padded to its optimizer group."""
-    placements = getattr(engine.optimizer, "hzp_placements", None)
-    if placements is None:
+    if not hasattr(engine.optimizer, "hzp_family_layouts"):
         return None
-    out = {}
-    for placement in placements:
-        layout = placement.family.layout
-        out[placement.family.name] = {
-            "layout": {"world": layout.world, "node_size": layout.node_size, "d_p": layout.param_shard_size,
-                       "d_g": layout.grad_shard_size, "d_o": layout.optimizer_shard_size},
-            "elements": _element_counts(engine.module, layout.optimizer_shard_size, placement.owns)}
-    return out
+    owners = {p.family.name: p.owns for p in engine.optimizer.hzp_placements}
+    return {name: {"layout": {"world": l.world, "node_size": l.node_size, "d_p": l.param_shard_size,
+                              "d_g": l.grad_shard_size, "d_o": l.optimizer_shard_size},
+                   "elements": _element_counts(engine.module, l.optimizer_shard_size, owners[name])}
+            for name, l in engine.optimizer.hzp_family_layouts().items()}
 
 
 def _full_params(engine) -> dict:

@@ -1,18 +1,14 @@
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from ds_asynchzp.bench.launch import scripts_first_on_path
 from tests.dist_harness import run_cases
 
-# DeepSpeed JIT-builds a CPU communication op with ninja the first time a process initialises it. ninja's build
-# records differ between versions, so processes that find different ninja binaries keep rebuilding the shared
-# cache: put this interpreter's bin (the virtual environment's ninja) first on PATH for every process we start.
-_BIN_DIR = str(Path(sys.executable).parent)
-if os.environ.get("PATH", "").split(os.pathsep)[0] != _BIN_DIR:
-    os.environ["PATH"] = _BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+# Every process the tests start finds this interpreter's ninja first, so DeepSpeed's JIT-built CPU op stays cached.
+scripts_first_on_path(os.environ)
 
 
 @pytest.fixture(scope="session")

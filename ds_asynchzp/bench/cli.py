@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from ..layout import expert_members_per_node
+from ..planner.moe import UNSUPPORTED_ARMS as MOE_UNSUPPORTED_ARMS
 from .aggregate import aggregate_arm, merge_repeats
 from .arms import (ARM_SECTION_KEYS, ARMS, DEFAULT_ARMS, OVERRIDABLE_ARMS, ArmSpec, ArmSpecError, parse_arm_spec,
                    parse_arm_specs)
@@ -266,9 +267,8 @@ def arm_unavailable(arm: str, args: argparse.Namespace | None = None) -> str | N
     DS_ACCELERATOR=cpu); stock ZeRO++'s weight and gradient quantizers exist only as CUDA kernels; DeepSpeed
     refuses hpZ together with AutoEP."""
     base = parse_arm_spec(arm).base
-    if args is not None and args.model in MOE_PRESETS and base in ("hpz", "zeropp"):
-        return ("DeepSpeed 0.19.8 refuses ZeRO++ hpZ (zero_hpz_partition_size > 1) together with AutoEP's "
-                "experts")
+    if args is not None and args.model in MOE_PRESETS and base in MOE_UNSUPPORTED_ARMS:
+        return MOE_UNSUPPORTED_ARMS[base]
     if base == "zeropp":
         return ("stock ZeRO++ quantization (qwZ, qgZ) has CUDA kernels only: on CPU ranks DeepSpeed's "
                 "CUDAQuantizer fails at initialization ('This op had not been implemented on CPU backend'); "

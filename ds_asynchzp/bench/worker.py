@@ -47,17 +47,12 @@ def build_bench_model(preset: str, moe_experts: int, seq_len: int, seed: int):
 
 def _families(engine) -> dict | None:
     """Per AsyncHZP family (dense, AutoEP experts): the layout it resolved to."""
-    placements = getattr(engine.optimizer, "hzp_placements", None)
-    if placements is None:
+    layouts = getattr(engine.optimizer, "hzp_family_layouts", None)
+    if layouts is None:
         return None
-    out = {}
-    for placement in placements:
-        layout = placement.family.layout
-        out[placement.family.name] = {"world": layout.world, "node_size": layout.node_size,
-                                      "param_shard_size": layout.param_shard_size,
-                                      "grad_shard_size": layout.grad_shard_size,
-                                      "optimizer_shard_size": layout.optimizer_shard_size}
-    return out
+    return {name: {"world": l.world, "node_size": l.node_size, "param_shard_size": l.param_shard_size,
+                   "grad_shard_size": l.grad_shard_size, "optimizer_shard_size": l.optimizer_shard_size}
+            for name, l in layouts().items()}
 
 
 def _check_optimizer(engine, expected: str) -> str:

@@ -73,8 +73,9 @@ class GatherSource:
     refresh_waits: Callable
     tag_prefix: str = "asynchzp"
 
-    def tagged(self, tag: str) -> str:
-        return tag if self.tag_prefix == "asynchzp" else tag.replace("asynchzp.", self.tag_prefix + ".", 1)
+    def tag(self, flow: str) -> str:
+        """The ledger tag of one of this family's flows (`asynchzp.param_gather`, `asynchzp.expert.inspect`)."""
+        return f"{self.tag_prefix}.{flow}"
 
 
 class ParamGather:
@@ -102,7 +103,7 @@ class ParamGather:
         return source
 
     # ------------------------------------------------------------------------------ the gather job
-    def _submit(self, params: Sequence[torch.nn.Parameter], tag: str, quantize: bool = False):
+    def _submit(self, params: Sequence[torch.nn.Parameter], flow: str, quantize: bool = False):
         params = sorted(params, key=lambda p: p.ds_id)     # the concatenation order is part of the contract
         # One collective per family (its own group) and dtype (a concatenation would promote silently).
         by_key: Dict[tuple, List[torch.nn.Parameter]] = {}
@@ -128,7 +129,7 @@ class ParamGather:
             for refresh in waits:
                 refresh.wait()
             for source, members in groups:
-                with ledger.tagged(source.tagged(tag)):
+                with ledger.tagged(source.tag(flow)):
                     self._gather(members, slots, source, source.quantize if quantize else None)
             return slots
 
@@ -153,10 +154,10 @@ class ParamGather:
         ops.unpack_gathered(recv, [slots[p.ds_id] for p in params], atoms, d_p, rows)
 
     # --------------------------------------------------------------------- the coordinator's entry points
-    FETCH_TAG = "asynchzp.param_gather"   # the coordinator's fetches (and their prefetch): the quantized ones
+    FETCH = "param_gather"   # the coordinator's fetches (and their prefetch): the quantized ones
 
     def all_gather_coalesced(self, params, safe_mode: bool = False, quantize: bool = False,
-                             tag: str = FETCH_TAG) -> GatherHandle:
+                             flow: str = FETCH) -> GatherHandle:
         """Drop-in for DeepSpeed's per-parameter `all_gather_coalesced` (same arguments, same handle protocol)."""
         params = list(params)
         mark_inflight(params)
@@ -167,7 +168,7 @@ class ParamGather:
             self.stats["prefetched"] += 1
             handle.params = params
         else:
-            handle = GatherHandle(self, params, self._submit(params, tag, quantize=tag == self.FETCH_TAG))
+            handle = GatherHandle(self, params, self._submit(params, flow, quantize=flow == self.FETCH))
         self._follow(key, params)
         return handle
 
@@ -185,7 +186,7 @@ class ParamGather:
         """Rewrite already-gathered parameters (ZeRO-3 persistent ones) from their refreshed shards, in place."""
         if not params:
             return
-        slots = self._submit(params, "asynchzp.persistent_regather").wait()
+        slots = self._submit(params, "persistent_regather").wait()
         for param in params:
             slot = slots[param.ds_id]
             param.data.copy_(slot.narrow(0, 0, param.ds_numel).view(param.ds_shape))
@@ -193,7 +194,7 @@ class ParamGather:
 
     def full_value(self, param) -> torch.Tensor:
         """A copy of the full parameter built from its shard (collective; publishes nothing)."""
-        slot = self._submit([param], "asynchzp.inspect").wait()[param.ds_id]
+        slot = self._submit([param], "inspect").wait()[param.ds_id]
         value = slot.narrow(0, 0, param.ds_numel).view(param.ds_shape).clone()
         self.pool.release(slot)
         return value
@@ -233,4 +234,4 @@ class ParamGather:
         for ahead_key, ahead_params in self._replay[self._position:self._position + self.prefetch_depth]:
             if ahead_key not in self._prefetched:
                 self._prefetched[ahead_key] = GatherHandle(
-                    self, ahead_params, self._submit(ahead_params, self.FETCH_TAG, quantize=True))
+                    self, ahead_params, self._submit(ahead_params, self.FETCH, quantize=True))

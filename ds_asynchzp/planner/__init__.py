@@ -358,18 +358,16 @@ def plan(num_params: int, world: int, node_size: int, grad_accum: int = 1, dtype
         moved = arm_bytes(arm, t, d_p, d_g, d_o)
         families = None
         if moe is not None:
+            if arm in moe_plan.UNSUPPORTED_ARMS:
+                arms[arm] = {"description": ARM_DESCRIPTIONS[arm], "unavailable": moe_plan.UNSUPPORTED_ARMS[arm]}
+                continue
             dense_layout = HierarchicalLayout(world, node_size, d_p, d_g, d_o)
             expert = moe_plan.expert_bytes(arm, moe, world, node_size, grad_accum, b, dense_layout,
                                            lambda lay, arm=arm: arm_quantization(
                                                arm, lay.world, lay.node_size, lay.param_shard_size,
                                                lay.grad_shard_size, lay.optimizer_shard_size))
-            holder = {"bytes_per_step": dict(moved)}
-            moe_plan.add_families(holder, moved, expert,
-                                  moe_plan.token_bytes(moe, world, node_size, grad_accum, b))
-            if holder.get("unavailable"):
-                arms[arm] = {"description": ARM_DESCRIPTIONS[arm], "unavailable": moe_plan.UNSUPPORTED_ARMS[arm]}
-                continue
-            moved, families = holder["bytes_per_step"], holder["by_family"]
+            families = moe_plan.by_family(moved, expert, moe_plan.token_bytes(moe, world, node_size, grad_accum, b))
+            moved = dict(moved, **{w: sum(f[w] for f in families.values()) for w in ("intra_node", "inter_node")})
             expert_states = moe_plan.expert_memory(arm, moe, world, node_size, dense_layout, b, a)
             memory = {k: memory.get(k, 0) + expert_states.get(k, 0) for k in set(memory) | set(expert_states)}
         times = None

@@ -25,8 +25,8 @@ from ..accounting import sizing, traffic
 from ..layout import HierarchicalLayout, expert_layout, expert_members_per_node
 
 TOKEN_PASSES = 4          # dispatch and combine, forward and backward
-UNSUPPORTED_ARMS = {"hpz": "DeepSpeed 0.19.8 refuses hpZ together with AutoEP",
-                    "zeropp": "DeepSpeed 0.19.8 refuses hpZ together with AutoEP"}
+_HPZ_REFUSED = "DeepSpeed 0.19.8 refuses ZeRO++ hpZ (zero_hpz_partition_size > 1) together with AutoEP's experts"
+UNSUPPORTED_ARMS = {"hpz": _HPZ_REFUSED, "zeropp": _HPZ_REFUSED}
 
 
 @dataclass(frozen=True)
@@ -94,16 +94,11 @@ def expert_memory(arm: str, moe: MoeInputs, world: int, node_size: int, dense_la
                                              members, param_bytes, grad_accum_bytes)
 
 
-def add_families(entry: dict, dense: dict, expert: dict | None, tokens: dict) -> None:
-    """Totals of an arm's plan entry become dense + expert + tokens, each kept under `by_family`."""
-    if expert is None:
-        entry["unavailable"] = True
-        return
-    entry["by_family"] = {"dense": {k: dense[k] for k in ("intra_node", "inter_node")},
-                          "expert": {k: expert[k] for k in ("intra_node", "inter_node")}, "tokens": dict(tokens)}
-    entry["bytes_per_step"] = dict(entry["bytes_per_step"], **{
-        k: dense[k] + expert[k] + tokens[k] for k in ("intra_node", "inter_node")})
+def by_family(dense: dict, expert: dict, tokens: dict) -> dict:
+    """An arm's bytes per step split into dense, expert and tokens (intra- and inter-node each)."""
+    return {name: {w: part[w] for w in ("intra_node", "inter_node")}
+            for name, part in (("dense", dense), ("expert", expert), ("tokens", tokens))}
 
 
-__all__ = ["MoeInputs", "TOKEN_PASSES", "UNSUPPORTED_ARMS", "add_families", "check", "expert_bytes",
+__all__ = ["MoeInputs", "TOKEN_PASSES", "UNSUPPORTED_ARMS", "by_family", "check", "expert_bytes",
            "expert_memory", "expert_world", "token_bytes"]

@@ -27,16 +27,10 @@ def _ds_config_of(arguments: dict):
     return config
 
 
-def _world_sizes() -> tuple:
+def _world_size() -> int:
     if ds_comm.is_initialized():
-        world = ds_comm.get_world_size()
-    else:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-    # The launcher's ranks per node. Where LOCAL_WORLD_SIZE and LOCAL_SIZE disagree, the config check decides
-    # (and says so), with the async_hzp.node_size the user gave.
-    values = {os.environ.get(name, "").strip() for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE")} - {""}
-    local = next(iter(values)) if len(values) == 1 else ""
-    return world, int(local) if local.isdigit() else None
+        return ds_comm.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def _model_numel(model) -> list:
@@ -60,8 +54,10 @@ def resolve_for_initialize(*args, **kwargs) -> ResolvedLayout | None:
     if isinstance(model, PipelineModule):
         raise AsyncHZPConfigError("model", "is a deepspeed.pipe.PipelineModule; pipeline parallelism is not supported "
                                   "with async_hzp.", "remove the async_hzp section, or train a non-pipeline module.")
-    world, local = _world_sizes()
-    return resolve_layout(config, world, local,
+    world = _world_size()
+    # The ranks per node: the config's node_size, else the launcher's environment, read (and, where its two
+    # variables disagree, settled) by resolve_layout.
+    return resolve_layout(config, world, None,
                           has_client_optimizer=arguments.get("optimizer") is not None,
                           num_parameters=padded_num_params(_model_numel(model), world) if model is not None else None)
 

@@ -37,9 +37,9 @@ from ..accounting import ledger
 from ..comm.collectives import broadcast
 from ..comm.grad_reduce import GradReduce
 from ..comm.param_gather import GatherSource, ParamGather
-from ..comm.step_boundary import StepBoundary
-from ..comm.step_boundary import bucket_elements as boundary_bucket_elements
+from ..comm.step_boundary import StepBoundary, bucket_elements as boundary_bucket_elements
 from ..config import ResolvedLayout
+from ..layout import HierarchicalLayout
 from ..quantization import QuantizationPlan
 from ..scheduler.context import CommContext
 from ..state.buffer_pool import BufferPool
@@ -163,11 +163,17 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         """The dense family's error-feedback residual (checkpoints save every family's: `hzp_error_feedbacks`)."""
         return self.hzp_dense.error_feedback
 
+    def hzp_family_layouts(self) -> Dict[str, HierarchicalLayout]:
+        """Each family's layout (dense first, then AutoEP's expert groups), as reports and tests show them."""
+        return {p.family.name: p.family.layout for p in self.hzp_placements}
+
     def hzp_error_feedbacks(self) -> Dict[str, ErrorFeedback]:
         return {p.family.name: p.error_feedback for p in self.hzp_placements if p.error_feedback is not None}
 
     def _hzp_trainable_placements(self) -> List[Placement]:
-        return [p for p in self.hzp_placements if p.grads is not None]
+        """The families with trainable parameters on this rank (their shards, gradients and flows exist from
+        Stage 3's construction on, until `destroy`)."""
+        return [p for p in self.hzp_placements if p.trainable is not None]
 
     def initialize_ds_offload(self, *args, **kwargs):
         offload = super().initialize_ds_offload(*args, **kwargs)
@@ -197,31 +203,27 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             placement = next(p for p in self.hzp_placements if p.owns(group[0]))
             first = placement.trainable.columns[group[0].ds_id].offset
             flats.append(placement.trainable.own.narrow(0, first, sum(p.partition_numel() for p in group)))
-        trainable = self._hzp_trainable_owners()
+        trainable = self._hzp_trainable_placements()
         rehome_stage3_param_flats(self, flats, trainable[0].trainable.own if len(trainable) == 1 else None)
-
-    def _hzp_trainable_owners(self) -> List[Placement]:
-        return [p for p in self.hzp_placements if p.trainable is not None]
 
     def _setup_for_real_optimizer(self):
         super()._setup_for_real_optimizer()
-        views = {}
-        for placement in self._hzp_trainable_owners():
+        trainable, views = self._hzp_trainable_placements(), {}
+        for placement in trainable:
             params = placement.trainable.params
             placement.grads = GradShards(placement.family.layout, placement.groups.dp_rank, params,
                                          self.gradient_accumulation_dtype, self.grad_partitions_flat_buffer.device)
             for param in params:
                 views[param.ds_id] = placement.grads.buffer.own_atom(param)
-        owners = self._hzp_trainable_owners()
         # Stage 3 reads its flat gradient buffer only in the fp16 overflow check, which `has_overflow` below
         # replaces when the gradients live in several shards.
-        rehome_stage3_grad_partitions(self, views, owners[0].grads.own if len(owners) == 1 else None)
+        rehome_stage3_grad_partitions(self, views, trainable[0].grads.own if len(trainable) == 1 else None)
 
     def has_overflow(self, partition_gradients=True):
-        owners = self._hzp_trainable_owners()
+        owners = self._hzp_trainable_placements()
         if not partition_gradients or len(owners) <= 1:
             return super().has_overflow(partition_gradients)
-        local = any(bool(torch.isinf(p.grads.own).any() or torch.isnan(p.grads.own).any()) for p in owners)
+        local = any(not bool(torch.isfinite(p.grads.own).all()) for p in owners)
         flag = torch.tensor([1 if local else 0], dtype=torch.uint8, device=owners[0].grads.own.device)
         ds_comm.all_reduce(flag, op=ds_comm.ReduceOp.MAX)   # every rank: the experts' groups differ
         return bool(flag.item())
@@ -313,7 +315,7 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         super().zero_grad(set_to_none=set_to_none)
         # Inside step(), Stage 3 calls zero_grad after the boundary while it still reads the own atoms.
         if not self._hzp_in_step and any(p.grads is not None and p.grads.window is not Window.EMPTY
-                                         for p in getattr(self, "hzp_placements", [])):
+                                         for p in self.hzp_placements):
             self._hzp_discard_window()
 
     def step(self, closure=None):
@@ -332,7 +334,7 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
     def _post_step(self, timer_names):
         # Stock Stage 3 re-gathers persistent parameters over the partition group and drops hpZ secondaries
         # here; instead the parameter shards are refreshed from the updated atoms, in the background.
-        for placement in self._hzp_trainable_owners():
+        for placement in self._hzp_trainable_placements():
             placement.shards.zero_padding()
             placement.boundary.start_refresh([placement.trainable])
         self._hzp_regather_persistent(gather_missing=True)
@@ -348,7 +350,7 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         self.hzp_gather.regather_in_place([p for p in persistent if is_available(p)])
         missing = [p for p in persistent if not is_available(p)]
         if missing and gather_missing:
-            self.hzp_gather.all_gather_coalesced(missing, tag="asynchzp.persistent_regather").wait()
+            self.hzp_gather.all_gather_coalesced(missing, flow="persistent_regather").wait()
 
     # ----------------------------------------------- readers and writers of gradients after backward
     def get_fp32_grad_for_param(self, param):
@@ -430,7 +432,7 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             for original, members in originals.values():
                 repartition(members, original)
             placement.shards.buffers.clear()
-            placement.grads = None
+            placement.trainable = placement.grads = None
             placement.groups.destroy()
             for groups in placement.other_groups:
                 groups.destroy()

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Tuple
 
 from ..errors import AsyncHZPConfigError
-from ..layout import HierarchicalLayout, expert_layout
+from ..layout import HierarchicalLayout, expert_layout, members_per_node
 from .deepspeed_internals import (AUTOEP_EXPERT_FAMILY, REPLICATED_FAMILY, ds_comm, expert_data_parallel_group,
                                   expert_group_name, group_ranks, placement_family, resolved_partition_group)
 
@@ -62,18 +62,14 @@ class Family:
 
 
 def _expert_layout(name: str, ranks: List[int], dense: HierarchicalLayout) -> HierarchicalLayout:
-    per_node: Dict[int, int] = {}
-    for rank in ranks:
-        per_node[rank // dense.node_size] = per_node.get(rank // dense.node_size, 0) + 1
-    counts = sorted(set(per_node.values()))
-    if len(counts) != 1:
+    per_node = members_per_node(ranks, dense.node_size)
+    if per_node is None:
         raise AsyncHZPConfigError(
             "expert_parallel.autoep_size",
-            f"puts {counts[0]} and {counts[-1]} ranks of expert-data-parallel group {name} ({ranks}) on different "
-            f"nodes of {dense.node_size} ranks; async_hzp lays experts out node by node and needs the same count "
-            "on every node.",
-            "use an autoep_size that divides the node size, or one of at least the node size.")
-    return expert_layout(len(ranks), counts[0], dense)
+            f"puts different numbers of ranks of expert-data-parallel group {name} ({ranks}) on different nodes "
+            f"of {dense.node_size} ranks; async_hzp lays experts out node by node and needs the same count on every "
+            "node.", "use an autoep_size that divides the node size, or one of at least the node size.")
+    return expert_layout(len(ranks), per_node, dense)
 
 
 def _reject(name: str, problem: str) -> AsyncHZPConfigError:
