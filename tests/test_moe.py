@@ -2,14 +2,14 @@
 expert-data-parallel group, dense parameters keep theirs.
 
 A tiny random `transformers` Mixtral (4 experts, top-2; `ds_asynchzp.bench.moe_model`), AutoEP with ep 2, fp32,
-gradient accumulation 2, 10 steps, on 4 ranks in nodes of 2 (each expert-data-parallel group has one rank per
-node: experts are replicated inside the node and cross nodes once per step) and on 8 ranks in nodes of 4 (two
-members per node: expert parameters sharded over 2 ranks inside the node). Stock ZeRO-3 + AutoEP trains the
+gradient accumulation 2, on 4 ranks in nodes of 2 for 10 steps (each expert-data-parallel group has one rank per
+node: experts are replicated inside the node and cross nodes once per step) and on 8 ranks in nodes of 4 for 6
+(two members per node: expert parameters sharded over 2 ranks inside the node). Stock ZeRO-3 + AutoEP trains the
 same model, data and seed in the same launch.
 
 Gradients are summed in another association than stock (inside the node every micro-step, across nodes once per
 step), so losses agree to a relative 1e-6, and parameters, after Adam has normalised the rounding of small
-gradients for 10 steps, to 5e-6 (as in test_parity).
+gradients for up to 10 steps, to 5e-6 (as in test_parity).
 """
 
 import pytest
@@ -25,21 +25,29 @@ FORMULA_RTOL = 0.01
 MOE = {"model": "moe", "autoep_size": 2, "gas": 2, "steps": STEPS}
 
 
-def _cases(node_size: int, extra=()) -> list:
-    return [dict(MOE, name="zero3"),
-            dict(MOE, name="asynchzp", async_hzp={"node_size": node_size}, compare_to="zero3", check_shards=True),
+def _cases(node_size: int, extra=(), steps: int = STEPS) -> list:
+    return [dict(MOE, name="zero3", steps=steps),
+            dict(MOE, name="asynchzp", steps=steps, async_hzp={"node_size": node_size}, compare_to="zero3",
+                 check_shards=True),
             *extra]
 
 
 LAUNCHES = {
     (4, 2): _cases(2, [
+        # DeepSpeed's default ZeRO-3 knobs (persistent small parameters, prefetch, live parameters, overlap_comm)
+        # under another layout: nothing sharded inside the node for parameters, gradients over the node.
+        dict(MOE, name="zero3_defaults", default_knobs=True),
+        dict(MOE, name="asynchzp_defaults_p1_g2_o4", default_knobs=True, compare_to="zero3_defaults",
+             check_shards=True, async_hzp={"node_size": 2, "param_shard_size": 1, "grad_shard_size": 2,
+                                           "optimizer_shard_size": 4}),
         # Saved after 5 steps, resumed in a fresh engine: the same run, bit for bit.
         dict(MOE, name="resumed", async_hzp={"node_size": 2}, resume_at=5, compare_to="asynchzp"),
         # A parameter partitioned over a group that is neither the world nor an expert group is refused.
         {"name": "foreign_group", "gas": 1, "steps": 1, "async_hzp": {"node_size": 2},
          "foreign_partition_group": True, "expect_error": True},
     ]),
-    (8, 4): _cases(4),
+    # 6 steps on 8 ranks: stock ZeRO-3 with AutoEP takes seconds per step there on 2 cores.
+    (8, 4): _cases(4, steps=6),
 }
 
 
@@ -67,6 +75,17 @@ def test_moe_matches_zero3_with_autoep(launched_moe, world, node_size):
         assert result["losses"][-1] < result["losses"][0] - 0.3
         # Every fetch built from the shards equals the consolidated weights.
         assert max(result["shard_diffs"]) == 0.0
+
+
+def test_moe_matches_zero3_under_deepspeeds_default_knobs(launched_moe):
+    for rank_result in launched_moe(4, 2):
+        result, stock = rank_result["asynchzp_defaults_p1_g2_o4"], rank_result["zero3_defaults"]
+        assert result["optimizer_class"] == "HierarchicalZeroOptimizer"
+        assert result["max_loss_rel_diff"] <= LOSS_RTOL, (result["losses"], stock["losses"])
+        assert result["param_rel_l2_diff"] <= PARAM_RTOL, result["param_rel_l2_diff"]
+        assert result["losses"][-1] < result["losses"][0] - 0.3
+        assert max(result["shard_diffs"]) == 0.0
+        assert result["families"]["dense"]["layout"]["d_p"] == 1
 
 
 @pytest.mark.parametrize("world,node_size,expert_dp", [(4, 2, 1), (8, 4, 2)])
