@@ -70,3 +70,24 @@ def sleep_forever(payload: dict) -> dict:
     _record_pid(payload, f"rank{_rank()}", os.getpid())
     while True:
         time.sleep(1)
+
+
+def hang_after_a_peer_monitor(payload: dict) -> dict:
+    """Runs a peer monitor (as an engine does) and closes it, then rank 1 hangs in `_stuck_in_here`."""
+    import torch.distributed as dist
+
+    from ds_asynchzp.scheduler.peer_monitor import PeerMonitor
+
+    dist.init_process_group("gloo", init_method="env://")
+    monitor = PeerMonitor(dist.get_rank(), dist.get_world_size())
+    monitor.start()
+    dist.barrier()
+    monitor.close()
+    if _rank() == 1:
+        _stuck_in_here()
+    return {"rank": _rank()}
+
+
+def _stuck_in_here() -> None:
+    while True:
+        time.sleep(1)

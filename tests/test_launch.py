@@ -91,6 +91,17 @@ def test_timeout_kills_every_process(tmp_path):
     assert _wait_dead(pids.values()) == []
 
 
+def test_a_hung_rank_shows_its_stack_even_after_a_peer_monitor_ran(tmp_path):
+    # The rank entry dumps every thread's stack on the launcher's SIGTERM (faulthandler, installed from C). The
+    # peer monitor's own SIGTERM handler must neither replace it nor be left behind once the monitor closes.
+    with pytest.raises(TimeoutError) as info:
+        launch_local(f"{WORKERS}:hang_after_a_peer_monitor", 2, 1, {}, timeout_s=20,
+                     workdir=str(tmp_path), env=CHILD_ENV)
+    message = str(info.value)
+    assert "[1]" in message
+    assert "_stuck_in_here" in message and "hang_after_a_peer_monitor" in message, message
+
+
 def test_rank_dying_without_result_reports_exit_code_and_log(tmp_path):
     with pytest.raises(RankFailure) as info:
         launch_local(f"{WORKERS}:exit3_on_rank1", 2, 2, {}, timeout_s=60,

@@ -54,10 +54,10 @@ def main(argv: list[str] | None = None) -> int:
 
     # A crash in native code (segfault, abort) still leaves a Python stack in the log.
     faulthandler.enable()
-    # The launcher stops hung ranks with SIGTERM; dumping every thread's stack first
-    # shows where the rank was stuck. chain=True then lets the default action terminate it.
+    # Before it stops a rank still running, the launcher asks for every thread's stack with SIGUSR1: the log
+    # then shows where a hung rank was stuck.
     if hasattr(faulthandler, "register"):
-        faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     try:
         with open(payload_path, encoding="utf-8") as f:

@@ -27,10 +27,12 @@ __all__ = ["launch_local", "free_port", "prepare_ops", "RankFailure"]
 # After the first rank fails, peers usually fail too (broken collectives); a short grace
 # lets them write their own errors before being killed.
 FAILURE_GRACE_S = 3.0
-# Time between SIGTERM (which makes ranks dump their stacks) and SIGKILL.
+# Time between SIGTERM (the program's handlers may still clean up) and SIGKILL.
 TERMINATE_GRACE_S = 2.0
+STACK_DUMP_GRACE_S = 0.5
 POLL_INTERVAL_S = 0.05
 LOG_TAIL_LINES = 40
+HUNG_LOG_TAIL_LINES = 80
 
 # Directory holding the ds_asynchzp package; children need it on sys.path to run
 # `-m ds_asynchzp.bench._rank_entry` when the package is used from a source checkout.
@@ -231,13 +233,30 @@ def _signal_group(rk: _Rank, sig: int) -> bool:
         return False
 
 
+def _dump_stacks(running: list[_Rank]) -> None:
+    """The rank entry dumps every thread's stack into its log on SIGUSR1 (faulthandler, from C: it works while
+    the rank is blocked in native code). A signal of its own, because SIGTERM handlers belong to the program
+    (DeepSpeed's, the peer monitor's) and may replace faulthandler's."""
+    signalled = False
+    for rk in running:
+        try:
+            rk.proc.send_signal(signal.SIGUSR1)
+            signalled = True
+        except ProcessLookupError:
+            pass
+    if signalled:
+        time.sleep(STACK_DUMP_GRACE_S)
+
+
 def _kill_all(ranks: list[_Rank]) -> None:
-    """SIGTERM every rank's process group, then SIGKILL what survives, then reap."""
-    for rk in ranks:
-        if rk.proc.poll() is None:
-            rk.killed_by_launcher = True
+    """Ask every rank still running for its stacks, SIGTERM every rank's process group, then SIGKILL what
+    survives, then reap."""
+    running = [rk for rk in ranks if rk.proc.poll() is None]
+    for rk in running:
+        rk.killed_by_launcher = True
     interrupted = False
     try:
+        _dump_stacks(running)
         alive = [rk for rk in ranks if _signal_group(rk, signal.SIGTERM)]
         end = time.monotonic() + TERMINATE_GRACE_S
         while alive and time.monotonic() < end:
@@ -303,7 +322,9 @@ def _timeout_message(still_running: list[_Rank], timeout_s: float, target: str) 
     rank_ids = [rk.rank for rk in still_running]
     parts = [f"{target} timed out after {timeout_s:g}s; ranks still running: {rank_ids}"]
     for rk in still_running[:8]:  # bounded: a 64-rank hang should not produce a novel
-        parts.append(f"--- last 20 lines of {rk.log_path} ---\n{_log_tail(rk.log_path, 20)}")
+        # Enough lines for the stacks each hung rank dumped (a training thread and a few communication threads).
+        parts.append(f"--- last {HUNG_LOG_TAIL_LINES} lines of {rk.log_path} ---\n"
+                     f"{_log_tail(rk.log_path, HUNG_LOG_TAIL_LINES)}")
     if len(still_running) > 8:
         parts.append(f"... {len(still_running) - 8} more; logs in {still_running[0].log_path.parent}")
     return "\n".join(parts)

@@ -10,7 +10,7 @@ in the store (so ranks whose collectives failed first still name the right rank)
 
 A launcher that stops the surviving ranks itself (the `deepspeed` launcher sends SIGTERM once one rank dies)
 may do so before the next poll: a SIGTERM handler, chained to the one it replaces, checks the peers once and
-names the lost rank before the rank ends.
+names the lost rank before the rank ends; closing the monitor puts the replaced handler back.
 
 Setting DS_ASYNCHZP_PEER_MONITOR=0 turns it off.
 """
@@ -82,16 +82,33 @@ class PeerMonitor:
         # and the context starts it.
         self._thread = threading.Thread(target=self._run, name="asynchzp-peer-monitor", daemon=True)
         self._thread.start()
-        if threading.current_thread() is threading.main_thread():
-            self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._install_sigterm_handler()
+
+    def _install_sigterm_handler(self) -> None:
+        # Only a handler Python can chain to and put back is replaced: getsignal() answers None for one
+        # installed outside Python. SIG_IGN is the program's choice and stays too.
+        if threading.current_thread() is not threading.main_thread():
+            return
+        current = signal.getsignal(signal.SIGTERM)
+        if current is None or current is signal.SIG_IGN:
+            return
+        self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _restore_sigterm_handler(self) -> None:
+        if self._previous_sigterm is None or threading.current_thread() is not threading.main_thread():
+            return
+        # Put back only while ours is still the handler: one installed after it stays.
+        if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+        self._previous_sigterm = None
 
     def _on_sigterm(self, signum, frame) -> None:
         self._check_local_peers(exit_when_lost=False)
         previous = self._previous_sigterm
-        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, previous)
         if callable(previous):
             previous(signum, frame)
-        elif previous in (None, signal.SIG_DFL):
+        else:  # SIG_DFL: end the way the signal would have
             os.kill(os.getpid(), signal.SIGTERM)
 
     def _check_local_peers(self, exit_when_lost: bool) -> bool:
@@ -149,9 +166,7 @@ class PeerMonitor:
         """This rank ends cleanly: tell the peers, then stop watching them."""
         if self._thread is None:
             return
-        if self._previous_sigterm is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._previous_sigterm)
-            self._previous_sigterm = None
+        self._restore_sigterm_handler()
         self._stop.set()
         self._thread.join(5.0)
         self._thread = None
