@@ -7,6 +7,7 @@ small machine), and compares each case with its stock ZeRO-3 baseline in-process
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import math
 import os
 import shutil
@@ -35,6 +36,7 @@ DEFAULT_KNOBS = {"stage": 3, "reduce_bucket_size": 20000}
 BUCKET_ELEMENTS = 20000
 # Steps 0 and 1 carry DeepSpeed's trace-order checks and the prefetch's first recording.
 FIRST_STEADY_STEP = 2
+WORLD_TIMEOUT_S = 240
 # Collectives of the tests' own inspections (check_shards), left out of the measured bytes.
 CHECK_TAG = "test.check_shards"
 INSPECTION_TAGS = (CHECK_TAG, "asynchzp.inspect", "asynchzp.expert.inspect")
@@ -389,7 +391,9 @@ def train_case(case: dict) -> dict:
 
 def run_cases(payload: dict) -> dict:
     """Train each case; a case with "compare_to" reports max relative differences against that case."""
-    deepspeed.init_distributed(dist_backend="gloo")
+    # A collective of the world group that cannot complete fails within minutes, naming itself, instead of
+    # waiting for gloo's 30-minute default (the launch's own timeout would stop it with less to say).
+    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=WORLD_TIMEOUT_S))
     ledger.install()
     if payload.get("register"):
         ds_asynchzp.register()
@@ -405,6 +409,7 @@ def run_cases(payload: dict) -> dict:
                 result = {"error": None}
             except Exception as error:  # the case checks which error, and that nothing hangs after it
                 result = {"error": f"{type(error).__name__}: {error}"}
+            print(f"case {case['name']}: {(result['error'] or 'no error').splitlines()[0][:120]}", flush=True)
             results[case["name"]] = result
             continue
         result = train_case(case)
@@ -427,6 +432,9 @@ def run_cases(payload: dict) -> dict:
     for result in results.values():
         result.pop("final_params", None)
     results["rank"] = int(os.environ["RANK"])
+    # No rank leaves while another may still be inside a collective with it (a peer gone mid-collective is a
+    # failure of its own, not the one under test).
+    deepspeed.comm.barrier()
     return results
 
 

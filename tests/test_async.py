@@ -1,7 +1,7 @@
 """Asynchronous scheduling: the communication threads change when collectives run, never what they compute.
 
 * `async_comm: false` runs the same placement on the training thread; with the threads, and with a random
-  0-20 ms delay injected before and after every collective of every thread, the losses and the final
+  0-10 ms delay injected before and after every collective of every thread, the losses and the final
   parameters are bit-identical to it (tests/conftest.py `async_cases`).
 * Overlap: with a fixed delay around every collective, the training thread of the asynchronous run waits on
   communication at most half as long as the synchronous run's (the delays of the reduce and boundary threads,
