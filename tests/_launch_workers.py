@@ -91,3 +91,15 @@ def hang_after_a_peer_monitor(payload: dict) -> dict:
 def _stuck_in_here() -> None:
     while True:
         time.sleep(1)
+
+
+def deepspeed_comm_workspaces(payload: dict) -> dict:
+    """Initialise deepspeed.comm on CPU and report the shared-memory workspaces its CPU op created."""
+    import deepspeed
+
+    from ds_asynchzp.runtime.deepspeed_internals import cpu_comm_workspaces
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.comm.barrier()   # every rank has created its own
+    return {"workspaces": [str(p) for p in cpu_comm_workspaces(os.environ["MASTER_ADDR"],
+                                                               int(os.environ["MASTER_PORT"]))]}

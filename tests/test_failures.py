@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from ds_asynchzp.bench import launch
-from ds_asynchzp.bench.launch import RankFailure, free_port, launch_local
+from ds_asynchzp.bench.launch import RankFailure, free_port, launch_local, remove_cpu_comm_workspaces
 from ds_asynchzp.errors import CommThreadError, CommTimeoutError
 from ds_asynchzp.scheduler.comm_thread import CommThread, InlineRunner
 from tests.dist_harness import REPO_ROOT
@@ -106,8 +106,11 @@ print("running:", sorted(t.name for t in threading.enumerate() if t.name.startsw
 def test_interpreter_exit_stops_the_threads_without_destroy():
     env = dict(os.environ, DS_ACCELERATOR="cpu", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=REPO_ROOT)
+    try:
+        done = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT], env=env, capture_output=True, text=True,
+                              timeout=300, cwd=REPO_ROOT)
+    finally:
+        remove_cpu_comm_workspaces(env["MASTER_ADDR"], int(env["MASTER_PORT"]))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "running: ['asynchzp-boundary', 'asynchzp-gather', 'asynchzp-reduce']" in done.stdout, done.stdout
     assert "left behind: []" in done.stdout, done.stdout
@@ -151,7 +154,8 @@ def test_a_rank_that_finishes_first_is_not_taken_for_lost(deepspeed_cpu_ops, tmp
 def test_a_rank_killed_under_the_deepspeed_launcher_is_named(deepspeed_cpu_ops):
     deepspeed_cli = Path(sys.executable).with_name("deepspeed")
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    cmd = [str(deepspeed_cli), "--num_gpus", "4", "--master_port", str(free_port()), "examples/train.py",
+    port = free_port()
+    cmd = [str(deepspeed_cli), "--num_gpus", "4", "--master_port", str(port), "examples/train.py",
            "--deepspeed_config", "examples/ds_config_asynchzp.json", "--steps", "1000", "--log-every", "1"]
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -172,6 +176,7 @@ def test_a_rank_killed_under_the_deepspeed_launcher_is_named(deepspeed_cpu_ops):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
+        remove_cpu_comm_workspaces("*", port)   # the deepspeed launcher leaves DeepSpeed's behind
     output = "".join(lines) + out
     assert proc.returncode != 0
     assert elapsed < LOST_WITHIN_S, elapsed

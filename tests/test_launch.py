@@ -102,6 +102,15 @@ def test_a_hung_rank_shows_its_stack_even_after_a_peer_monitor_ran(tmp_path):
     assert "_stuck_in_here" in message and "hang_after_a_peer_monitor" in message, message
 
 
+def test_deepspeeds_shared_memory_workspaces_are_removed_after_the_launch(tmp_path, deepspeed_cpu_ops):
+    # DeepSpeed's CPU communication op leaves a 66 MiB workspace per rank in /dev/shm (RAM) at exit.
+    results = launch_local(f"{WORKERS}:deepspeed_comm_workspaces", 2, 2, {}, timeout_s=120,
+                           workdir=str(tmp_path), env=CHILD_ENV)
+    seen = results[0]["workspaces"]
+    assert len(seen) == 2, seen
+    assert [path for path in seen if Path(path).exists()] == []
+
+
 def test_rank_dying_without_result_reports_exit_code_and_log(tmp_path):
     with pytest.raises(RankFailure) as info:
         launch_local(f"{WORKERS}:exit3_on_rank1", 2, 2, {}, timeout_s=60,

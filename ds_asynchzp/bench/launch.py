@@ -8,6 +8,7 @@ rank outlives :func:`launch_local` on any path (success, failure, timeout, Ctrl-
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, IO
 
-__all__ = ["launch_local", "free_port", "prepare_ops", "RankFailure"]
+__all__ = ["launch_local", "free_port", "prepare_ops", "remove_cpu_comm_workspaces", "RankFailure"]
 
 # After the first rank fails, peers usually fail too (broken collectives); a short grace
 # lets them write their own errors before being killed.
@@ -32,6 +33,7 @@ TERMINATE_GRACE_S = 2.0
 STACK_DUMP_GRACE_S = 0.5
 POLL_INTERVAL_S = 0.05
 LOG_TAIL_LINES = 40
+MASTER_ADDR = "127.0.0.1"
 HUNG_LOG_TAIL_LINES = 80
 
 # Directory holding the ds_asynchzp package; children need it on sys.path to run
@@ -100,6 +102,7 @@ def launch_local(target: str, nproc: int, node_size: int, payload: dict, *, time
         _kill_all(ranks)
         for rk in ranks:
             rk.log_file.close()
+        remove_cpu_comm_workspaces((env or {}).get("MASTER_ADDR", MASTER_ADDR), port)
 
     # Logs are read only now: killed ranks have had their chance to dump their stacks.
     if failed is not None:
@@ -121,7 +124,7 @@ def launch_local(target: str, nproc: int, node_size: int, payload: dict, *, time
 def _rank_env(r: int, nproc: int, node_size: int, port: int, overrides: dict | None) -> dict:
     env = dict(os.environ)
     env.update({
-        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_ADDR": MASTER_ADDR,
         "MASTER_PORT": str(port),
         "RANK": str(r),
         "LOCAL_RANK": str(r % node_size),
@@ -144,6 +147,18 @@ def _rank_env(r: int, nproc: int, node_size: int, port: int, overrides: dict | N
         if str(_PACKAGE_ROOT) not in entries:
             env["PYTHONPATH"] = os.pathsep.join([str(_PACKAGE_ROOT), *entries])
     return env
+
+
+def remove_cpu_comm_workspaces(master_addr: str, master_port: int) -> None:
+    """Remove the shared-memory workspaces that DeepSpeed's CPU communication op leaves behind, one per rank
+    (66 MiB each, in RAM): a test suite's launches would otherwise fill /dev/shm and the machine's memory. Call
+    it once every rank of the rendezvous has ended."""
+    if "deepspeed" not in sys.modules and importlib.util.find_spec("deepspeed") is None:
+        return   # a launch of plain torch ranks: nothing of DeepSpeed's to remove
+    from ..runtime.deepspeed_internals import cpu_comm_workspaces
+
+    for path in cpu_comm_workspaces(master_addr, master_port):
+        path.unlink(missing_ok=True)
 
 
 def scripts_first_on_path(env) -> None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
+from pathlib import Path
 from typing import Callable, Iterator
 
 import deepspeed
@@ -80,8 +82,29 @@ def _self_check() -> None:
     for member in ("NOT_AVAILABLE", "INFLIGHT", "AVAILABLE"):
         if not hasattr(ZeroParamStatus, member):
             problems.append(f"ZeroParamStatus.{member} is gone (parameter gather protocol)")
+    problems += _cpu_comm_workspace_problems()
     if problems:
         raise DeepSpeedInternalsError("ds_asynchzp cannot use the installed DeepSpeed:\n  - " + "\n  - ".join(problems))
+
+
+# DeepSpeed's CPU communication op creates a shared-memory workspace for each rank (66 MiB), named
+# deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>, and never unlinks it: every process that
+# initialises deepspeed.comm on CPU leaves one in /dev/shm, which is RAM. Launchers remove them (bench/launch.py).
+_CPU_COMM_SOURCE = Path(deepspeed.__file__).parent / "ops" / "csrc" / "cpu" / "comm" / "shm.cpp"
+_CPU_COMM_NAME_LINES = ('#define SHM_BUFFER_NAME "deepspeed_allreduce_buffer"', '"%s_%d_%s_%s"')
+
+
+def _cpu_comm_workspace_problems() -> list:
+    if not _CPU_COMM_SOURCE.is_file():   # an installation without the op's sources cannot build it either
+        return []
+    text = _CPU_COMM_SOURCE.read_text(errors="replace")
+    return [f"{_CPU_COMM_SOURCE} no longer has {line} (the name of the CPU op's shared-memory workspaces, which "
+            "launchers remove)" for line in _CPU_COMM_NAME_LINES if line not in text]
+
+
+def cpu_comm_workspaces(master_addr: str, master_port: int) -> list:
+    """The shared-memory workspaces DeepSpeed's CPU communication op left for one rendezvous address."""
+    return sorted(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_{master_addr}_{master_port}_*"))
 
 
 _self_check()
