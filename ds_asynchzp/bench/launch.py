@@ -348,17 +348,21 @@ def _timeout_message(still_running: list[_Rank], timeout_s: float, target: str) 
 def prepare_ops() -> None:
     """Build the compiled ops the ranks load, here, before any rank starts, saying so: on a first run each takes
     minutes on a small host, and every rank would otherwise sit at 0 % of its progress bar meanwhile. Both are
-    cached (DeepSpeed's CPU communication op by torch, ours by source hash); later runs only load them."""
+    cached (DeepSpeed's CPU ops by torch, ours by source hash); later runs only load them. Built inside a launch
+    instead, one rank builds while the others wait on torch's build lock, against the launch's timeout; a rank
+    stopped mid-build leaves that lock behind, and every later process waits on it."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     scripts_first_on_path(os.environ)    # the ninja the ranks will use, so they find the build cached
-    started = time.monotonic()
-    print("preparing: DeepSpeed's CPU communication op (built on first use, a few minutes; cached afterwards) ...",
-          flush=True)
     from deepspeed.accelerator import get_accelerator
 
-    get_accelerator().create_op_builder("ShareMemCommBuilder").load()
-    print(f"preparing: DeepSpeed's CPU communication op ready ({time.monotonic() - started:.1f} s); the package's "
-          "ops ...", flush=True)
+    for builder, what in (("ShareMemCommBuilder", "communication op"), ("FusedAdamBuilder", "Adam (ds_config's "
+                                                                                            "optimizer)")):
+        started = time.monotonic()
+        print(f"preparing: DeepSpeed's CPU {what} (built on first use, a few minutes; cached afterwards) ...",
+              flush=True)
+        get_accelerator().create_op_builder(builder).load()
+        print(f"preparing: DeepSpeed's CPU {what} ready ({time.monotonic() - started:.1f} s)", flush=True)
+    print("preparing: the package's ops ...", flush=True)
     started = time.monotonic()
     from ds_asynchzp import ops
 
