@@ -1,4 +1,5 @@
 import os
+import signal
 import subprocess
 import sys
 
@@ -9,6 +10,11 @@ from tests.dist_harness import run_cases
 
 # Every process the tests start finds this interpreter's ninja first, so DeepSpeed's JIT-built CPU op stays cached.
 scripts_first_on_path(os.environ)
+
+# Started in the background by a non-interactive shell, pytest inherits an ignored SIGINT, and so would every
+# process it starts: the tests of Ctrl-C and of SIGINT teardown need it delivered, as in a terminal.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
