@@ -1,4 +1,4 @@
-"""AsyncHZP against stock ZeRO-3: same model, data and seed, fp32 on CPU ranks, 10 optimizer steps (6 on 8 ranks).
+"""AsyncHZP against stock ZeRO-3: same model, data and seed, fp32 on CPU ranks, 6 optimizer steps.
 
 The model (ds_asynchzp.bench.model, preset "tiny") has a tied embedding, a frozen parameter, a parameter whose
 size is prime (251, never divisible by the world) and a parameter unused in forward.
@@ -13,7 +13,7 @@ Final parameters are compared by the relative L2 distance over the whole model. 
 be dominated by the attention query/key biases: their true gradient is exactly zero (softmax ignores a
 constant shift), so both runs feed Adam pure rounding noise, which Adam normalises into learning-rate-sized
 steps of random sign, whatever the reduction order. The same normalisation amplifies the association
-difference in every element whose gradient is small next to its rounding error, so after 10 Adam steps the
+difference in every element whose gradient is small next to its rounding error, so after a few Adam steps the
 parameters agree to a relative 5e-6 (measured 1.3e-6 over 10 steps on 8 ranks in nodes of 4, where the losses
 agreed to 2e-7; the figure moves with the CPU's vectorised summation), where the losses agree to 1e-6.
 """
