@@ -345,6 +345,11 @@ def _timeout_message(still_running: list[_Rank], timeout_s: float, target: str) 
     return "\n".join(parts)
 
 
+# DeepSpeed's JIT-built CPU ops every rank loads: (builder, what the progress line calls it).
+_DEEPSPEED_CPU_OPS = (("ShareMemCommBuilder", "communication op"),
+                      ("FusedAdamBuilder", "Adam (the ds_config optimizer)"))
+
+
 def prepare_ops() -> None:
     """Build the compiled ops the ranks load, here, before any rank starts, saying so: on a first run each takes
     minutes on a small host, and every rank would otherwise sit at 0 % of its progress bar meanwhile. Both are
@@ -355,8 +360,7 @@ def prepare_ops() -> None:
     scripts_first_on_path(os.environ)    # the ninja the ranks will use, so they find the build cached
     from deepspeed.accelerator import get_accelerator
 
-    for builder, what in (("ShareMemCommBuilder", "communication op"), ("FusedAdamBuilder", "Adam (ds_config's "
-                                                                                            "optimizer)")):
+    for builder, what in _DEEPSPEED_CPU_OPS:
         started = time.monotonic()
         print(f"preparing: DeepSpeed's CPU {what} (built on first use, a few minutes; cached afterwards) ...",
               flush=True)

@@ -104,7 +104,8 @@ class PeerMonitor:
 
     def _on_sigterm(self, signum, frame) -> None:
         self._check_local_peers(exit_when_lost=False)
-        previous = self._previous_sigterm
+        # None once the monitor has closed: reached then only through a handler installed after ours.
+        previous = self._previous_sigterm if self._previous_sigterm is not None else signal.SIG_DFL
         signal.signal(signal.SIGTERM, previous)
         if callable(previous):
             previous(signum, frame)
