@@ -67,9 +67,15 @@ def test_steady_state_allocates_no_communication_buffer(launched):
 
 def test_boundary_chunks_stay_small_under_deepspeeds_default_bucket():
     # DeepSpeed's default reduce_bucket_size (5e8) would make the cross-node exchange one chunk, started only
-    # after the last backward; the default caps it, an explicit boundary_bucket_size is taken as given.
+    # after the last backward; the default caps it and cuts every buffer into at least 32 chunks (not below
+    # 64 Ki elements); an explicit boundary_bucket_size is taken as given.
     from ds_asynchzp.comm.step_boundary import DEFAULT_MAX_BUCKET_ELEMENTS, bucket_elements
 
     assert bucket_elements(None, 500_000_000) == DEFAULT_MAX_BUCKET_ELEMENTS == 2**23
+    assert bucket_elements(None, 500_000_000, 10**10) == 2**23
     assert bucket_elements(None, 500_000) == 500_000
-    assert bucket_elements(10**9, 500_000_000) == 10**9
+    assert bucket_elements(None, 500_000, 3_200_000) == 100_000              # 32 chunks
+    assert bucket_elements(None, 500_000, 3_200_001) == 100_001              # the last one a little shorter
+    assert bucket_elements(None, 500_000, 1_000_000) == 2**16                # the floor
+    assert bucket_elements(None, 50_000, 1_000_000) == 50_000                # a smaller bucket stays
+    assert bucket_elements(10**9, 500_000_000, 3_200_000) == 10**9

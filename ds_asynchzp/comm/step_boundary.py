@@ -45,16 +45,26 @@ from .collectives import all_gather, all_reduce, all_to_all, backend_reduce_scat
 
 # DeepSpeed's default reduce_bucket_size (5e8 elements) would make most models' whole shard one chunk, whose
 # exchange could start only once the last backward has ended. Chunks of at most 8 Mi elements (16 MB in bf16,
-# near DDP's 25 MB buckets) let it start during the backward; on the emulated 2 x 4 cluster smaller chunks left
-# a shorter tail after the backward (docs/benchmarks, boundary bucket sweep).
+# near DDP's 25 MB buckets) let it start during the backward.
 DEFAULT_MAX_BUCKET_ELEMENTS = 1 << 23
+# A pipeline needs stages: a buffer is cut into at least this many chunks by default, so that the exchange
+# follows the backward closely and the tail after it is short. On the emulated 2 x 4 cluster at 100 Mbit/s,
+# 7 chunks per shard cost 1.29 to 1.36 times the unshaped step, 36 chunks 1.11 to 1.15 (docs/benchmarks,
+# boundary bucket sweep). Large models never reach this rule: the cap above binds first.
+DEFAULT_MIN_CHUNKS = 32
+# ...but no chunk below 64 Ki elements (128 KB in bf16), where a collective's fixed cost would dominate.
+MIN_DEFAULT_BUCKET_ELEMENTS = 1 << 16
 
 
-def bucket_elements(configured: Optional[int], reduce_bucket_size) -> int:
-    """Elements per chunk: `async_hzp.boundary_bucket_size` if set, else reduce_bucket_size up to the cap."""
+def bucket_elements(configured: Optional[int], reduce_bucket_size, buffer_elements: Optional[int] = None) -> int:
+    """Elements per chunk of a buffer of `buffer_elements`: `async_hzp.boundary_bucket_size` if set, else
+    reduce_bucket_size up to the cap, and small enough for DEFAULT_MIN_CHUNKS chunks (not below the floor)."""
     if configured:
         return int(configured)
-    return max(1, min(int(reduce_bucket_size), DEFAULT_MAX_BUCKET_ELEMENTS))
+    elements = min(int(reduce_bucket_size), DEFAULT_MAX_BUCKET_ELEMENTS)
+    if buffer_elements:
+        elements = min(elements, max(MIN_DEFAULT_BUCKET_ELEMENTS, -(-int(buffer_elements) // DEFAULT_MIN_CHUNKS)))
+    return max(1, elements)
 
 
 class _Chunks:
@@ -81,12 +91,13 @@ class _Chunks:
 
 
 class StepBoundary:
-    def __init__(self, groups: ProcessGroups, bucket_elements: int, runner,
+    def __init__(self, groups: ProcessGroups, configured_bucket: Optional[int], reduce_bucket_size: int, runner,
                  quantization: QuantizationPlan = NO_QUANTIZATION, error_feedback: Optional[ErrorFeedback] = None,
                  tag_prefix: str = "asynchzp"):
         self.groups = groups
         self.tag_prefix = tag_prefix
-        self.bucket_elements = max(1, int(bucket_elements))
+        self.configured_bucket = configured_bucket
+        self.reduce_bucket_size = reduce_bucket_size
         self.pairwise = not backend_reduce_scatter_is_optimal(groups.grad_boundary)
         self.runner = runner
         self.quantization = quantization
@@ -100,10 +111,14 @@ class StepBoundary:
         self._completed: set = set()
         self._refresh: Dict[str, tuple] = {}          # buffer name -> (chunks, jobs)
 
+    def _chunks(self, buffer: ShardedBuffer) -> _Chunks:
+        return _Chunks(buffer, bucket_elements(self.configured_bucket, self.reduce_bucket_size,
+                                               buffer.rows * buffer.width))
+
     # ------------------------------------------------------------------------------- gradients
     def _start_window(self, grads: GradShards) -> None:
         if self._grad_chunks is None:
-            self._grad_chunks = _Chunks(grads.buffer, self.bucket_elements)
+            self._grad_chunks = self._chunks(grads.buffer)
         if not self._waiting:
             self._waiting = [set(m) for m in self._grad_chunks.members]
             self._bucket_jobs = [[] for _ in self._grad_chunks.ranges]
@@ -211,7 +226,7 @@ class StepBoundary:
             return
         fmt = None if exact else self.quantization.param_refresh
         for buffer in buffers:
-            chunks = _Chunks(buffer, self.bucket_elements)
+            chunks = self._chunks(buffer)
             jobs = [self.runner.submit(self._refresh_job(buffer, start, end, fmt, segments), "parameter refresh",
                                        group.name)
                     for (start, end), segments in zip(chunks.ranges, chunks.segments)]

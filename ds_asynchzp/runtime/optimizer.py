@@ -37,7 +37,7 @@ from ..accounting import ledger
 from ..comm.collectives import broadcast
 from ..comm.grad_reduce import GradReduce
 from ..comm.param_gather import GatherSource, ParamGather
-from ..comm.step_boundary import StepBoundary, bucket_elements as boundary_bucket_elements
+from ..comm.step_boundary import StepBoundary
 from ..config import ResolvedLayout
 from ..layout import HierarchicalLayout
 from ..quantization import QuantizationPlan
@@ -111,9 +111,8 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             next(p.ds_tensor.device for p in module.parameters() if is_zero_param(p))
         self.hzp_comm = CommContext(layout.async_comm, layout.comm_timeout_s, device, ds_comm.get_rank(),
                                     ds_comm.get_world_size())
-        bucket = boundary_bucket_elements(layout.boundary_bucket_size, self.reduce_bucket_size)
         for placement in self.hzp_placements:
-            self._hzp_build_flows(placement, bucket, layout.world_size, device)
+            self._hzp_build_flows(placement, layout, device)
         self.hzp_pool = BufferPool()
         self.hzp_gather = ParamGather(
             [GatherSource(p.shards, p.groups.param_shard, p.quantization.param_gather, p.boundary.refresh_waits,
@@ -146,17 +145,19 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         return Placement(family, mine, ParamShards(family.layout, mine.dp_rank),
                          layout.quantization_plan(family.layout), others)
 
-    def _hzp_build_flows(self, placement: Placement, bucket: int, world: int, device) -> None:
+    def _hzp_build_flows(self, placement: Placement, layout: ResolvedLayout, device) -> None:
         plan = placement.quantization
         if plan.error_feedback and placement.grads is not None:
             placement.error_feedback = ErrorFeedback(placement.grads.buffer.rows, placement.grads.buffer.width,
                                                      device)
-        placement.boundary = StepBoundary(placement.groups, bucket, self.hzp_comm.boundary, plan,
-                                          placement.error_feedback, placement.family.tag)
+        placement.boundary = StepBoundary(placement.groups, layout.boundary_bucket_size, self.reduce_bucket_size,
+                                          self.hzp_comm.boundary, plan, placement.error_feedback,
+                                          placement.family.tag)
         if placement.grads is not None:
             # Gradients are averaged over the whole data-parallel world, experts too (as DeepSpeed does).
-            placement.reduce = GradReduce(placement.grads, placement.groups.grad_shard, world, self.reduce_scatter,
-                                          self.hzp_comm.reduce, plan.grad_reduce_scatter, placement.family.tag)
+            placement.reduce = GradReduce(placement.grads, placement.groups.grad_shard, layout.world_size,
+                                          self.reduce_scatter, self.hzp_comm.reduce, plan.grad_reduce_scatter,
+                                          placement.family.tag)
 
     @property
     def hzp_error_feedback(self) -> Optional[ErrorFeedback]:
