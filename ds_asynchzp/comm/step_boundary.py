@@ -49,8 +49,8 @@ from .collectives import all_gather, all_reduce, all_to_all, backend_reduce_scat
 DEFAULT_MAX_BUCKET_ELEMENTS = 1 << 23
 # A pipeline needs stages: a buffer is cut into at least this many chunks by default, so that the exchange
 # follows the backward closely and the tail after it is short. On the emulated 2 x 4 cluster at 100 Mbit/s,
-# 7 chunks per shard cost 1.29 to 1.36 times the unshaped step, 36 chunks 1.11 to 1.15 (docs/benchmarks,
-# boundary bucket sweep). Large models never reach this rule: the cap above binds first.
+# the shaped step was 1.09 times the unshaped one with chunks of 1/32 of the shard, 1.11 with chunks of 1/7
+# (docs/benchmarks, default cross-node chunks). Large models never reach this rule: the cap binds first.
 DEFAULT_MIN_CHUNKS = 32
 # ...but no chunk below 64 Ki elements (128 KB in bf16), where a collective's fixed cost would dominate.
 MIN_DEFAULT_BUCKET_ELEMENTS = 1 << 16
