@@ -129,9 +129,9 @@ class AsyncHZPConfig(BaseModel):
     boundary_bucket_size: Optional[_PositiveInt] = Field(
         None,
         description="Elements per cross-node chunk of the once-per-step gradient reduction and parameter "
-        "refresh. Default: zero_optimization.reduce_bucket_size, at most 8388608 (2^23) and at most 1/32 of the "
-        "buffer (not below 65536), so that the exchange starts early in the last backward and follows it "
-        "closely, even under DeepSpeed's default bucket of 5e8.",
+        "refresh. Default: zero_optimization.reduce_bucket_size, at most 8388608 (2^23) and at most 1/32 of each "
+        "sharded buffer (that part not below 65536), so that the exchange starts early in the last backward and "
+        "follows it closely, even under DeepSpeed's default bucket of 5e8.",
     )
     comm_timeout_s: float = Field(
         300.0,

@@ -49,8 +49,9 @@ from .collectives import all_gather, all_reduce, all_to_all, backend_reduce_scat
 DEFAULT_MAX_BUCKET_ELEMENTS = 1 << 23
 # A pipeline needs stages: a buffer is cut into at least this many chunks by default, so that the exchange
 # follows the backward closely and the tail after it is short. On the emulated 2 x 4 cluster at 100 Mbit/s,
-# the shaped step was 1.09 times the unshaped one with chunks of 1/32 of the shard, 1.11 with chunks of 1/7
-# (docs/benchmarks, default cross-node chunks). Large models never reach this rule: the cap binds first.
+# chunks of 1/32 of the shard left a shorter shaped step than chunks of 1/7, at the same unshaped step
+# (docs/benchmarks: the chunk sweep, and 3 % over 16 steps side by side; single runs vary by more).
+# Buffers of 2^28 elements or more are cut by the cap above instead.
 DEFAULT_MIN_CHUNKS = 32
 # ...but no chunk below 64 Ki elements (128 KB in bf16), where a collective's fixed cost would dominate.
 MIN_DEFAULT_BUCKET_ELEMENTS = 1 << 16
