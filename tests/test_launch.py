@@ -92,8 +92,8 @@ def test_timeout_kills_every_process(tmp_path):
 
 
 def test_a_hung_rank_shows_its_stack_even_after_a_peer_monitor_ran(tmp_path):
-    # The rank entry dumps every thread's stack on the launcher's SIGTERM (faulthandler, installed from C). The
-    # peer monitor's own SIGTERM handler must neither replace it nor be left behind once the monitor closes.
+    # Before stopping a hung rank the launcher sends SIGUSR1, on which the rank entry dumps every thread's stack
+    # (faulthandler, from C). A peer monitor that ran and closed must not get in the way.
     with pytest.raises(TimeoutError) as info:
         launch_local(f"{WORKERS}:hang_after_a_peer_monitor", 2, 1, {}, timeout_s=20,
                      workdir=str(tmp_path), env=CHILD_ENV)

@@ -111,15 +111,19 @@ class StepBoundary:
         self._bucket_jobs: List[set] = []             # per chunk: reduce jobs it must wait for
         self._completed: set = set()
         self._refresh: Dict[str, tuple] = {}          # buffer name -> (chunks, jobs)
+        self._chunk_cache: Dict[int, tuple] = {}      # id(buffer) -> (buffer, its chunks): a buffer's are fixed
 
     def _chunks(self, buffer: ShardedBuffer) -> _Chunks:
-        return _Chunks(buffer, bucket_elements(self.configured_bucket, self.reduce_bucket_size,
-                                               buffer.rows * buffer.width))
+        """The buffer's chunks, computed once: the refresh walks the same buffers after every step."""
+        cached = self._chunk_cache.get(id(buffer))
+        if cached is None or cached[0] is not buffer:
+            elements = bucket_elements(self.configured_bucket, self.reduce_bucket_size, buffer.rows * buffer.width)
+            cached = self._chunk_cache[id(buffer)] = (buffer, _Chunks(buffer, elements))
+        return cached[1]
 
     # ------------------------------------------------------------------------------- gradients
     def _start_window(self, grads: GradShards) -> None:
-        if self._grad_chunks is None:
-            self._grad_chunks = self._chunks(grads.buffer)
+        self._grad_chunks = self._chunks(grads.buffer)
         if not self._waiting:
             self._waiting = [set(m) for m in self._grad_chunks.members]
             self._bucket_jobs = [[] for _ in self._grad_chunks.ranges]
