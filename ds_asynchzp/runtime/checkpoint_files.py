@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ..errors import CheckpointError
-from .deepspeed_internals import engine_zero_param_shapes
+from .deepspeed_internals import engine_zero_param_shapes, optimizer_state_file_classes
 
 MANIFEST = "asynchzp_manifest.json"
 FORMAT = "ds_asynchzp-checkpoint/1"
@@ -246,10 +246,7 @@ def _read_manifest(directory: str) -> dict:
 def _check_partition_count(optim_files: List[str]) -> None:
     """Without a manifest, the last partitions' files could be missing unnoticed: the optimizer states record
     how many partitions the save had."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-
-    with torch.serialization.safe_globals([ZeroStageEnum, LossScaler, DynamicLossScaler]):
+    with torch.serialization.safe_globals(optimizer_state_file_classes()):
         state = _safe_load(optim_files[0])
     zero_state = state.get("optimizer_state_dict") if isinstance(state, dict) else None
     count = zero_state.get("partition_count") if isinstance(zero_state, dict) else None

@@ -83,6 +83,10 @@ def _self_check() -> None:
         if not hasattr(ZeroParamStatus, member):
             problems.append(f"ZeroParamStatus.{member} is gone (parameter gather protocol)")
     problems += _cpu_comm_workspace_problems()
+    try:
+        optimizer_state_file_classes()
+    except ImportError as error:
+        problems.append(f"{error} (the classes ZeRO optimizer-state files pickle, allowed when checkpoints load)")
     if problems:
         raise DeepSpeedInternalsError("ds_asynchzp cannot use the installed DeepSpeed:\n  - " + "\n  - ".join(problems))
 
@@ -100,6 +104,15 @@ def _cpu_comm_workspace_problems() -> list:
     text = _CPU_COMM_SOURCE.read_text(errors="replace")
     return [f"{_CPU_COMM_SOURCE} no longer has {line} (the name of the CPU op's shared-memory workspaces, which "
             "launchers remove)" for line in _CPU_COMM_NAME_LINES if line not in text]
+
+
+def optimizer_state_file_classes() -> list:
+    """DeepSpeed's classes that a ZeRO optimizer-state file pickles: what `torch.load(weights_only=True)` must
+    allow to read one."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler]
 
 
 def cpu_comm_workspaces(master_addr: str, master_port: int) -> list:
