@@ -15,8 +15,11 @@ def _rank() -> int:
 def _record_pid(payload: dict, name: str, pid: int) -> None:
     pid_dir = payload.get("pid_dir")
     if pid_dir:
-        with open(os.path.join(pid_dir, f"{name}.pid"), "w") as f:
+        # Written aside, then renamed: a test polling the directory never reads a file not yet written.
+        path = os.path.join(pid_dir, f"{name}.pid")
+        with open(path + ".tmp", "w") as f:
             f.write(str(pid))
+        os.replace(path + ".tmp", path)
 
 
 def env_and_allreduce(payload: dict) -> dict:
