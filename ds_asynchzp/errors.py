@@ -63,3 +63,8 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be loaded as asked: missing, truncated or foreign files, another model, or another
     layout without conversion. The message names the file (or directory) and what is wrong with it; raised before
     any collective of the load, identically on every rank."""
+
+
+class GradientMismatchError(RuntimeError):
+    """Ranks of one gradient group reduced different parameters in the same backward: a parameter got a gradient
+    on some ranks and none on others. Stock ZeRO-3 cannot train that either (its reduce-scatter sizes differ)."""

@@ -185,6 +185,15 @@ def test_independent_problems_are_reported_together():
     assert not dist.is_initialized()
 
 
+def test_an_unsharded_optimizer_is_refused_by_name():
+    """d_o = 1 trained differently from stock ZeRO-3 in the differential fuzzer (reentrant activation
+    checkpointing, small buckets, a parameter without a gradient in some windows): refused before any group."""
+    with pytest.raises(AsyncHZPConfigError, match=r"optimizer_shard_size.*is 1.*one of 2, 4, 8"):
+        resolve_layout(make({"param_shard_size": 1, "grad_shard_size": 1, "optimizer_shard_size": 1}), 8, 4)
+    assert resolve_layout(make({"param_shard_size": 1, "grad_shard_size": 1, "optimizer_shard_size": 1}), 1,
+                          1).optimizer_shard_size == 1   # one rank: nothing to shard
+
+
 def test_messages_suggest_valid_values():
     with pytest.raises(AsyncHZPConfigError, match=r"nearest valid values 2 or 4") as info:
         resolve_layout(make({"node_size": 3}), 8, None)
@@ -199,7 +208,7 @@ def test_messages_suggest_valid_values():
     with pytest.raises(AsyncHZPConfigError, match=r"did you mean async_hzp.param_shard_size"):
         section_from_ds_config(make({"param_shard_sise": 2}))
     # A fixed size next to "auto": the valid values given the other fixed sizes.
-    with pytest.raises(AsyncHZPConfigError, match=r"optimizer_shard_size to one of 1, 2, 3, 4, 6, 12, or to \"auto\""):
+    with pytest.raises(AsyncHZPConfigError, match=r"optimizer_shard_size to one of 2, 3, 4, 6, 12, or to \"auto\""):
         resolve_layout(make({"param_shard_size": "auto", "optimizer_shard_size": 5}), 12, 4, num_parameters=PSI)
     with pytest.raises(AsyncHZPConfigError, match=r"grad_shard_size=8 .*param_shard_size to one of 1, 2, 4, or"):
         resolve_layout(make({"param_shard_size": 8, "grad_shard_size": 8, "optimizer_shard_size": "auto"}), 16, 4,
@@ -385,7 +394,7 @@ def test_auto_reason_names_the_numbers_and_reaches_describe():
     # 3 GiB: (4,4,8) needs 2.5e9 bytes and 0.065 s; the runner-up (2,4,8) 3.0e9 bytes and 0.075 s.
     assert (layout.param_shard_size, layout.grad_shard_size, layout.optimizer_shard_size) == (4, 4, 8)
     reason = layout.auto_reason
-    assert "d_p=4, d_g=4, d_o=8" in reason and "of 19 valid layouts (4 fit the budget)" in reason
+    assert "d_p=4, d_g=4, d_o=8" in reason and "of 18 valid layouts (4 fit the budget)" in reason
     assert "2.33 GiB per rank (budget 3.00 GiB)" in reason
     assert "0.065 s per optimizer step vs 0.075 s for the runner-up d_p=2, d_g=4, d_o=8" in reason
     assert reason in layout.describe() and layout.as_dict()["auto_reason"] == reason
@@ -508,11 +517,12 @@ def test_sizing_worked_example():
 
 def test_valid_layouts_follow_the_rules():
     layouts = sizing.valid_layouts(8, 4)
-    assert len(layouts) == 19
+    assert len(layouts) == 18     # d_o = 1 is refused on more than one rank
     for d_p, d_g, d_o in layouts:
         assert 4 % d_p == 0 and d_g % d_p == 0 and d_o % d_g == 0 and 8 % d_o == 0
         assert 4 % d_g == 0 or d_g % 4 == 0
-    assert (4, 8, 8) in layouts and (1, 1, 1) in layouts and (8, 8, 8) not in layouts
+    assert (4, 8, 8) in layouts and (1, 1, 1) not in layouts and (8, 8, 8) not in layouts
+    assert sizing.valid_layouts(1, 1) == [(1, 1, 1)]
     # d_g = 6 in nodes of 4 spans one and a half nodes: never offered.
     assert all(d_g != 6 for _, d_g, _ in sizing.valid_layouts(12, 4))
     assert (2, 2, 6) in sizing.valid_layouts(12, 4)

@@ -160,14 +160,15 @@ def valid_grad_sizes(d_p: int, node_size: int, world: int) -> list[int]:
 
 
 def valid_layouts(world: int, node_size: int) -> list[tuple[int, int, int]]:
-    """Every ``(d_p, d_g, d_o)`` the engine accepts: ``d_p | node``, ``d_p | d_g``, ``d_g | d_o | world``, and
-    ``d_g`` divides the node or is a multiple of it. Ascending order."""
+    """Every ``(d_p, d_g, d_o)`` the engine accepts: ``d_p | node``, ``d_p | d_g``, ``d_g | d_o | world``,
+    ``d_g`` divides the node or is a multiple of it, and ``d_o > 1`` unless the world is one rank (the config
+    refuses an unsharded optimizer, `config._layout_issues`). Ascending order."""
     if world < 1 or node_size < 1 or world % node_size != 0:
         raise ValueError(f"node_size ({node_size}) must be >= 1 and divide world ({world})")
     return [(d_p, d_g, d_o)
             for d_p in divisors(node_size)
             for d_g in valid_grad_sizes(d_p, node_size, world)
-            for d_o in divisors(world) if d_o % d_g == 0]
+            for d_o in divisors(world) if d_o % d_g == 0 and (d_o > 1 or world == 1)]
 
 
 def comm_seconds_per_step(num_params: int, world: int, node_size: int, d_p: int, d_g: int, d_o: int, *,

@@ -14,18 +14,19 @@ first waits for every such job (`drain`).
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
 from .. import ops
 from ..accounting import ledger
+from ..errors import GradientMismatchError
 from ..quantization import QuantFormat
 from ..runtime.process_groups import Group
 from ..state.buffer_pool import StagingRing
 from ..state.grad_shards import GradShards
 from . import quantized
-from .collectives import all_reduce, reduce_scatter, scratch
+from .collectives import all_gather, all_reduce, reduce_scatter, scratch
 
 
 def pack_transposed(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -54,6 +55,35 @@ def pack_transposed(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst[full_rows + 1:].zero_()
 
 
+def bucket_fingerprint(params: Sequence[torch.nn.Parameter]) -> List[int]:
+    """[count, sum of ids, sum of sizes] of a bucket: equal on every member when the buckets are the same."""
+    return [len(params), sum(p.ds_id + 1 for p in params), sum(p.ds_numel for p in params)]
+
+
+def check_same_bucket(params: Sequence[torch.nn.Parameter], group: Group, names: Dict[int, str],
+                      tag: str = "asynchzp.bucket_check") -> None:
+    """Every member of `group` is about to reduce the same parameters. A parameter that gets a gradient on some
+    ranks and none on others makes the buckets differ, and the reduction that follows would read sizes that do
+    not match (gloo aborts the process; NCCL hangs or reads past the end): fail first, naming the parameters.
+    Costs one all-gather of 3 integers per bucket, on the reducing thread's group."""
+    mine = torch.tensor(bucket_fingerprint(params), dtype=torch.int64)
+    every = torch.empty(group.size * 3, dtype=torch.int64)
+    with ledger.tagged(tag):
+        all_gather(every, mine, group).wait()
+    every = every.view(group.size, 3).tolist()
+    if all(row == every[0] for row in every):
+        return
+    listed = ", ".join(names.get(p.ds_id, f"ds_id {p.ds_id}") for p in params[:12])
+    more = f" and {len(params) - 12} more" if len(params) > 12 else ""
+    others = "; ".join(f"member {i}: {row[0]} parameters, {row[2]} elements" for i, row in enumerate(every))
+    raise GradientMismatchError(
+        f"ranks of gradient group {group.name} reduced different parameters in the same backward ({others}). "
+        f"This rank's bucket: {listed}{more}. A parameter got a gradient on some ranks and none on others "
+        "(a branch taken by rank, data-dependent routing without a gradient for every expert). ZeRO-3 needs every "
+        "rank to produce the same parameters' gradients in each backward: make the unused branch contribute zero "
+        "(e.g. add 0 * branch(x) to the output) so that every rank computes its gradient.")
+
+
 def fill_bucket(send: torch.Tensor, grads: Sequence[torch.Tensor], atoms: Sequence[int], rows: int,
                 world: int) -> None:
     """send [d, width] = the gradients in member order, padded, cast to send's dtype, divided by `world`.
@@ -79,9 +109,12 @@ def fill_bucket(send: torch.Tensor, grads: Sequence[torch.Tensor], atoms: Sequen
 
 class GradReduce:
     def __init__(self, grads: GradShards, group: Group, world: int, use_reduce_scatter: bool, runner,
-                 quantize: Optional[QuantFormat] = None, tag_prefix: str = "asynchzp"):
+                 quantize: Optional[QuantFormat] = None, tag_prefix: str = "asynchzp",
+                 names: Optional[Dict[int, str]] = None):
         self.grads = grads
+        self.names = names or {}      # ds_id -> the parameter's name in the module, for errors
         self.tag = f"{tag_prefix}.grad_reduce_scatter"
+        self.check_tag = f"{tag_prefix}.bucket_check"
         self.group = group
         self.world = world
         self.use_reduce_scatter = use_reduce_scatter
@@ -92,9 +125,10 @@ class GradReduce:
         self.scratch = {}            # receive buffer, used only inside reduce jobs
         self.inflight: List = []     # jobs not yet waited for, in submission order
 
-    def reduce_bucket(self, params: Sequence[torch.nn.Parameter], comm_dtype: torch.dtype):
+    def reduce_bucket(self, params: Sequence[torch.nn.Parameter], comm_dtype: torch.dtype, first: bool = False):
         """Pack the bucket's gradients (training thread) and submit their reduction into the gradient shard.
-        Returns the job; the gradients may be freed at once."""
+        `first`: the window's first backward, whose sums replace what the shard holds (as Stage 3 copies into its
+        partition then; `GradShards` says why that matters). Returns the job; the gradients may be freed at once."""
         buffer, d_g = self.grads.buffer, self.group.size
         rows = buffer.rows
         sizes = [rows * buffer.columns[p.ds_id].atom for p in params]
@@ -107,7 +141,11 @@ class GradReduce:
         targets = [buffer.atoms(p) for p in params]
         self.grads.begin_accumulate(params)
 
+        params = list(params)
+
         def job() -> None:
+            if self.group.size > 1:
+                check_same_bucket(params, self.group, self.names, self.check_tag)
             with ledger.tagged(self.tag):
                 if self.quantize is not None:
                     mine = scratch(self.scratch, "recv_fp32", width, torch.float32, send.device)
@@ -121,7 +159,10 @@ class GradReduce:
                     mine = send[self.group.rank]
             start = 0
             for atoms, size in zip(targets, sizes):
-                atoms.add_(mine[start:start + size].view(atoms.shape))
+                if first:
+                    atoms.copy_(mine[start:start + size].view(atoms.shape))
+                else:
+                    atoms.add_(mine[start:start + size].view(atoms.shape))
                 start += size
 
         pending = self.runner.submit(job, "gradient reduce-scatter", self.group.name)

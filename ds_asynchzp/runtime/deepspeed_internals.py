@@ -164,6 +164,7 @@ _STAGE3_INSTANCE_ATTRIBUTES = [
     ("postscale_gradients", "gradient averaging"),
     ("timers", "step timers logged after the refresh"),
     ("_is_gradient_accumulation_boundary", "whether the running backward ends the accumulation window"),
+    ("micro_step_id", "backwards since the last step: the first copies into the gradient partition, later ones add"),
 ]
 
 
@@ -182,6 +183,13 @@ def stage3_bucket_params(optimizer, communication_data_type):
 def at_accumulation_boundary(optimizer) -> bool:
     """Whether the backward that is running is the last of the accumulation window (the engine sets it first)."""
     return bool(optimizer._is_gradient_accumulation_boundary)
+
+
+def is_first_micro_step(optimizer) -> bool:
+    """Whether the running backward is the window's first, where Stage 3's `partition_grads` copies each reduced
+    gradient into its partition instead of adding to it. Its partition buffer is never zeroed: a parameter that
+    gets no gradient in that backward keeps the value it had, and the window's later backwards add to it."""
+    return optimizer.micro_step_id == 0
 
 
 def stage3_persistent_parameters(optimizer):

@@ -28,6 +28,7 @@ logic of the step; each `Placement`'s `ParamShards` owns its family's low-precis
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -49,7 +50,8 @@ from ..state.param_shards import ParamShards
 from ..state.sharded_buffer import ShardedBuffer
 from .deepspeed_internals import (STAGE3_AVG_SCATTER_CONTIGUOUS_GRADS, STAGE3_AVG_SCATTER_GRADS,
                                   DeepSpeedZeroOptimizer_Stage3, at_accumulation_boundary, check_stage3_instance,
-                                  ds_comm, install_param_hooks, is_available, is_zero_param, partition_group_of,
+                                  ds_comm, install_param_hooks, is_available, is_first_micro_step, is_zero_param,
+                                  partition_group_of,
                                   rehome_stage3_grad_partitions, rehome_stage3_param_flats, repartition,
                                   restore_param_hooks, stage3_bucket_params, stage3_persistent_parameters,
                                   stage3_sub_groups)
@@ -96,6 +98,8 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         self.hzp_dense = self.hzp_placements[0]
         self._hzp_placement_of: Dict[int, Placement] = {}
         self._hzp_in_step = False
+        # After a discarded window: the parameters reduced in the next window's first backward (see `step`).
+        self._hzp_after_discard: Optional[set] = None
         kwargs["dp_process_group"] = self.hzp_dense.groups.optimizer.handle
         super().__init__(module, init_optimizer, *args, **kwargs)
         check_stage3_instance(self)
@@ -111,6 +115,7 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             next(p.ds_tensor.device for p in module.parameters() if is_zero_param(p))
         self.hzp_comm = CommContext(layout.async_comm, layout.comm_timeout_s, device, ds_comm.get_rank(),
                                     ds_comm.get_world_size())
+        self._hzp_param_names = {p.ds_id: name for name, p in module.named_parameters() if is_zero_param(p)}
         for placement in self.hzp_placements:
             self._hzp_build_flows(placement, layout, device)
         self.hzp_pool = BufferPool()
@@ -157,7 +162,7 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             # Gradients are averaged over the whole data-parallel world, experts too (as DeepSpeed does).
             placement.reduce = GradReduce(placement.grads, placement.groups.grad_shard, layout.world_size,
                                           self.reduce_scatter, self.hzp_comm.reduce, plan.grad_reduce_scatter,
-                                          placement.family.tag)
+                                          placement.family.tag, self._hzp_param_names)
 
     @property
     def hzp_error_feedback(self) -> Optional[ErrorFeedback]:
@@ -212,8 +217,11 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         trainable, views = self._hzp_trainable_placements(), {}
         for placement in trainable:
             params = placement.trainable.params
+            # With optimizer replicas, the first one alone carries a gradient kept from the last step into the
+            # window (the cross-node sum all-reduces the replicas' own atoms).
             placement.grads = GradShards(placement.family.layout, placement.groups.dp_rank, params,
-                                         self.gradient_accumulation_dtype, self.grad_partitions_flat_buffer.device)
+                                         self.gradient_accumulation_dtype, self.grad_partitions_flat_buffer.device,
+                                         carries_previous=placement.groups.outer_replica.rank == 0)
             for param in params:
                 views[param.ds_id] = placement.grads.buffer.own_atom(param)
         # Stage 3 reads its flat gradient buffer only in the fp16 overflow check, which `has_overflow` below
@@ -235,7 +243,10 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         """Replaces Stage 3's bucket reduce-scatter over the world: reduce inside the family's grad shard group,
         in the background; in the last backward of the window, start each completed chunk's cross-node sum."""
         placement = self._hzp_placement_of[params_to_reduce[0].ds_id]
-        job = placement.reduce.reduce_bucket(params_to_reduce, communication_data_type)
+        first = is_first_micro_step(self)
+        if first and self._hzp_after_discard is not None:
+            self._hzp_after_discard.update(p.ds_id for p in params_to_reduce)
+        job = placement.reduce.reduce_bucket(params_to_reduce, communication_data_type, first=first)
         if at_accumulation_boundary(self):
             placement.boundary.grads_complete(placement.grads, params_to_reduce, job, self.communication_data_type)
         return [None] * len(params_to_reduce)
@@ -302,11 +313,15 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         for placement in self._hzp_trainable_placements():
             placement.boundary.wait_grads()
 
-    def _hzp_discard_window(self) -> None:
+    def _hzp_end_window(self, stepped: bool) -> None:
+        """After the step (the own rows stay: they are Stage 3's gradient partitions), or a discarded window."""
         for placement in self._hzp_trainable_placements():
             placement.reduce.drain()
             placement.boundary.end_window()
-            placement.grads.clear()
+            if stepped:
+                placement.grads.end_step()
+            else:
+                placement.grads.discard()
 
     def finalize_gradient_accumulation_boundary(self):
         super().finalize_gradient_accumulation_boundary()
@@ -317,11 +332,15 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         # Inside step(), Stage 3 calls zero_grad after the boundary while it still reads the own atoms.
         if not self._hzp_in_step and any(p.grads is not None and p.grads.window is not Window.EMPTY
                                          for p in self.hzp_placements):
-            self._hzp_discard_window()
+            self._hzp_end_window(stepped=False)
+            self._hzp_after_discard = set()
 
     def step(self, closure=None):
         self.hzp_gather.pause()
         self.hzp_finish_window()
+        if self._hzp_after_discard is not None:
+            self._hzp_warn_after_discard(self._hzp_after_discard)
+            self._hzp_after_discard = None
         # The previous refresh reads the own atoms the step is about to overwrite.
         for placement in self.hzp_placements:
             placement.boundary.wait_refresh()
@@ -330,7 +349,21 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             return super().step(closure)
         finally:
             self._hzp_in_step = False
-            self._hzp_discard_window()
+            self._hzp_end_window(stepped=True)
+
+    def _hzp_warn_after_discard(self, reduced_first: set) -> None:
+        """A discarded window's gradients are gone here; stock ZeRO-3 keeps its partial sums in the partitions of
+        parameters that get no gradient in the next window's first backward, and steps with them. Say so where it
+        makes a difference, naming the parameters."""
+        missed = [self._hzp_param_names.get(p.ds_id, f"ds_id {p.ds_id}")
+                  for placement in self._hzp_trainable_placements() for p in placement.trainable.params
+                  if p.requires_grad and p.ds_id not in reduced_first]
+        if missed:
+            warnings.warn(
+                f"zero_grad() discarded an accumulation window, and {len(missed)} parameter(s) got no gradient in "
+                f"the next window's first backward ({', '.join(missed[:5])}{', ...' if len(missed) > 5 else ''}): "
+                "their gradient starts from zero here; stock ZeRO-3 would start it from the discarded window's "
+                "partial sums.", RuntimeWarning, stacklevel=3)
 
     def _post_step(self, timer_names):
         # Stock Stage 3 re-gathers persistent parameters over the partition group and drops hpZ secondaries

@@ -1,7 +1,9 @@
 """Every process group of the hierarchical layout, built from one rank grid (`ds_asynchzp.layout`).
 
 Each group travels as a `Group` record (handle, size, this rank's index, global ranks), so no caller ever
-passes `None` and gets the world group by accident: a one-rank group has no handle and never communicates.
+passes `None` and gets the world group by accident: a one-rank group has no handle and never communicates. The
+exception is the optimizer group, which is DeepSpeed's partition group: DeepSpeed reads a missing group as the
+world, so with d_o = 1 it gets a one-rank group of its own.
 
 Groups are built over the data-parallel group DeepSpeed hands the ZeRO optimizer (its ranks, not the global
 world). Every rank creates every group, in one fixed order, including groups it is not a member of: that is
@@ -26,7 +28,7 @@ from .deepspeed_internals import ds_comm
 class Group:
     name: str
     ranks: Tuple[int, ...]    # global ranks, ascending
-    handle: object = None     # None exactly when size == 1
+    handle: object = None     # None exactly when size == 1, except for the optimizer group
     rank: int = 0             # this rank's index in `ranks`
     inter_node: bool = False
 
@@ -81,7 +83,8 @@ def build_process_groups(layout: HierarchicalLayout, dp_global_ranks: List[int],
         for dp_ranks in all_groups:
             ranks = tuple(dp_global_ranks[r] for r in dp_ranks)
             handle = None
-            if len(ranks) > 1:
+            # DeepSpeed partitions over the optimizer group and takes None for the world: it always needs one.
+            if len(ranks) > 1 or name == "optimizer":
                 if name == "optimizer" and len(ranks) == layout.world:
                     # DeepSpeed's own partition group: created by DeepSpeed on every rank already (`reuse` is None
                     # on ranks outside it, which then have nothing to create either).

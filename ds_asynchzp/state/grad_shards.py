@@ -8,6 +8,14 @@ atoms across nodes; the own row is Stage 3's gradient partition buffer, so the o
 
 The accumulation window has an explicit state, so that a discarded backward (`zero_grad`) never leaks into the
 next step and a gradient can never be added after its window was reduced.
+
+The own row outlives the window, as Stage 3's gradient partition buffer does (it is that buffer): stock ZeRO-3
+copies each reduced gradient into its partition in a window's first backward and adds in the later ones, and
+never zeroes the buffer. So a parameter that gets no gradient in a window's first backward starts that window
+from the gradient it had at the last step, and one that gets none in the whole window steps with it again. The
+other rows hold only this window's partial sums and are zeroed after every step. With several optimizer replicas
+(d_o < N) the cross-node sum all-reduces the own atoms over the replicas, so only the first replica carries the
+kept value into a window (`carries_previous`); the others start it from zero.
 """
 
 from __future__ import annotations
@@ -22,15 +30,16 @@ from .sharded_buffer import ShardedBuffer
 
 
 class Window(enum.Enum):
-    EMPTY = "empty"                # all rows zero: nothing accumulated since the last step
+    EMPTY = "empty"                # nothing accumulated since the last step: other rows zero, own row as stepped
     ACCUMULATING = "accumulating"  # rows hold partial sums of this window's micro-steps
     REDUCED = "reduced"            # the own row holds the final gradient; the other rows are spent
 
 
 class GradShards:
     def __init__(self, layout: HierarchicalLayout, dp_rank: int, params_in_flat_order: Sequence[torch.nn.Parameter],
-                 dtype: torch.dtype, device):
+                 dtype: torch.dtype, device, carries_previous: bool = True):
         self.layout = layout
+        self.carries_previous = carries_previous
         self.buffer = ShardedBuffer("grads", params_in_flat_order, layout.grad_rows,
                                     layout.grad_row_of_own_atom(dp_rank), dtype, device,
                                     atom_of=lambda p: p.partition_numel())
@@ -47,9 +56,21 @@ class GradShards:
                 f"a gradient of parameter {params[0].ds_id} arrived after this accumulation window's gradients "
                 "were reduced across nodes and before optimizer step(); run step() (or zero_grad() to discard the "
                 "window) before the next backward")
+        if self.window is Window.EMPTY and not self.carries_previous:
+            self.buffer.own.zero_()
         self.window = Window.ACCUMULATING
 
-    def clear(self) -> None:
+    def end_step(self) -> None:
+        """After the optimizer step: the partial sums go, the own row stays (Stage 3's partition buffer)."""
+        own = self.buffer.own_row
+        if own:
+            self.buffer.data[:own].zero_()
+        if own + 1 < self.buffer.rows:
+            self.buffer.data[own + 1:].zero_()
+        self.window = Window.EMPTY
+
+    def discard(self) -> None:
+        """A window thrown away with zero_grad(): nothing of it reaches the next step."""
         self.buffer.data.zero_()
         self.window = Window.EMPTY
 

@@ -1,0 +1,151 @@
+"""Rank-side code of the differential fuzzer: each case trains stock ZeRO-3, then AsyncHZP, on the same ranks,
+model, data and seed, and compares losses and consolidated parameters (tests/fuzz_models.py draws the cases).
+
+A planted defect (`payload["plant"]`) is applied to AsyncHZP only, to show the comparison catches it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import time
+import traceback
+
+import deepspeed
+import torch
+
+import ds_asynchzp
+from tests import fuzz_models
+
+WORLD_TIMEOUT_S = 240
+
+
+def ds_config(spec: dict, hierarchical: bool) -> dict:
+    config = {
+        "train_micro_batch_size_per_gpu": spec["model"]["micro_batch"],
+        "gradient_accumulation_steps": spec["gas"],
+        "optimizer": {"type": "AdamW", "params": {"lr": spec["lr"], "weight_decay": spec["weight_decay"]}},
+        "gradient_clipping": spec["clip"],
+        "zero_optimization": dict({"stage": 3}, **spec["zero"]),
+        "steps_per_print": 10**9,
+    }
+    if hierarchical:
+        config["async_hzp"] = dict(spec["layout"], node_size=spec["node_size"], async_comm=spec["async_comm"],
+                                   log_layout=False)
+    return config
+
+
+def _gathered_param(model):
+    """The parameter the training loop reads (and may edit) outside forward: a branch's if there is one."""
+    branch = model.branch_parameters()
+    return branch[0] if branch else next(model.parameters())
+
+
+def _train(spec: dict, hierarchical: bool) -> dict:
+    rank = deepspeed.comm.get_rank()
+    model = fuzz_models.build(spec["model"], seed=spec["seed"])
+    engine, *_ = ds_asynchzp.initialize(model=model, model_parameters=[p for p in model.parameters()
+                                                                       if p.requires_grad],
+                                        config=ds_config(spec, hierarchical))
+    toggled = model.toggled_parameters()
+    losses, outside_reads = [], []
+    for step in range(spec["steps"]):
+        for param in toggled:
+            param.requires_grad_(step % 2 == 0)
+        if step == spec.get("modify_at"):
+            with deepspeed.zero.GatheredParameters([_gathered_param(model)], modifier_rank=0):
+                if rank == 0:
+                    _gathered_param(model).data.mul_(0.75)
+        total = 0.0
+        for micro in range(spec["gas"]):
+            x, y = fuzz_models.batch(spec["model"], step, micro, rank, spec["seed"])
+            loss = engine(x, y, step, micro, rank)
+            engine.backward(loss)
+            engine.step()
+            total += loss.item()
+        losses.append(total / spec["gas"])
+        if step == spec.get("gathered_read_at"):
+            with deepspeed.zero.GatheredParameters([_gathered_param(model)]):
+                outside_reads.append(float(_gathered_param(model).data.double().norm()))
+    for param in toggled:
+        param.requires_grad_(True)
+    final = {}
+    for name, param in model.named_parameters():
+        with deepspeed.zero.GatheredParameters([param]):
+            final[name] = param.detach().double().clone()
+    optimizer = type(engine.optimizer).__name__
+    engine.destroy()
+    return {"losses": losses, "final": final, "outside_reads": outside_reads, "optimizer": optimizer}
+
+
+def _compare(stock: dict, ours: dict) -> dict:
+    loss_diff = max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(ours["losses"], stock["losses"]))
+    delta = sum(float((ours["final"][n] - t).pow(2).sum()) for n, t in stock["final"].items())
+    norm = sum(float(t.pow(2).sum()) for t in stock["final"].values())
+    reads = [abs(a - b) / max(abs(b), 1e-30) for a, b in zip(ours["outside_reads"], stock["outside_reads"])]
+    return {"max_loss_rel_diff": loss_diff, "param_rel_l2_diff": math.sqrt(delta / max(norm, 1e-300)),
+            "outside_read_rel_diff": max(reads, default=0.0),
+            "bit_identical": ours["losses"] == stock["losses"],
+            "losses": ours["losses"], "stock_losses": stock["losses"], "optimizer": ours["optimizer"]}
+
+
+def _plant(name: str) -> None:
+    """Defects the fuzzer must catch, applied in this process to AsyncHZP's state classes."""
+    from ds_asynchzp.state import grad_shards
+    if name == "zero_stale_gradient":
+        # Forget the last window's gradient at the end of every step (stock keeps it for parameters that get no
+        # gradient in the next window's first micro-step).
+        original = grad_shards.GradShards.end_step
+
+        def end_step(self):
+            original(self)
+            self.buffer.own.zero_()
+        grad_shards.GradShards.end_step = end_step
+    elif name == "first_adds":
+        # The window's first backward adds to the kept gradient instead of replacing it (a missed copy).
+        from ds_asynchzp.comm import grad_reduce
+        original = grad_reduce.GradReduce.reduce_bucket
+
+        def reduce_bucket(self, params, comm_dtype, first=False):
+            return original(self, params, comm_dtype, first=False)
+        grad_reduce.GradReduce.reduce_bucket = reduce_bucket
+    elif name:
+        raise ValueError(f"unknown planted defect {name!r}")
+
+
+def run_fuzz_cases(payload: dict) -> dict:
+    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=WORLD_TIMEOUT_S))
+    _plant(payload.get("plant", ""))
+    results = {}
+    for spec in payload["cases"]:
+        started = time.perf_counter()
+        key = str(spec.get("key", spec["seed"]))
+        if not spec.get("stock", True):
+            # A spec stock ZeRO-3 cannot train (it aborts the process): AsyncHZP alone, which must raise.
+            try:
+                _train(spec, hierarchical=True)
+                results[key] = {"error": None}
+            except Exception as error:
+                results[key] = {"error": f"{type(error).__name__}: {error}",
+                                "cause": f"{type(error.__cause__).__name__}: {error.__cause__}"}
+            print(f"fuzz case {key}: AsyncHZP alone: {str(results[key]['error'])[:100]}", flush=True)
+            continue
+        try:
+            stock = _train(spec, hierarchical=False)
+        except Exception as error:  # the spec is outside what stock ZeRO-3 trains: nothing to compare with
+            results[key] = {"stock_error": f"{type(error).__name__}: {error}"}
+            print(f"fuzz case {key}: stock ZeRO-3 raised {type(error).__name__}", flush=True)
+            continue
+        try:
+            ours = _train(spec, hierarchical=True)
+        except Exception as error:
+            results[key] = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()[-3000:]}
+            print(f"fuzz case {key}: AsyncHZP raised {type(error).__name__}: {error}", flush=True)
+            continue
+        results[key] = _compare(stock, ours)
+        print(f"fuzz case {key}: {time.perf_counter() - started:.1f} s, loss diff "
+              f"{results[key]['max_loss_rel_diff']:.2e}", flush=True)
+    results["rank"] = int(os.environ["RANK"])
+    deepspeed.comm.barrier()
+    return results
