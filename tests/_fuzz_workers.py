@@ -1,11 +1,12 @@
 """Rank-side code of the differential fuzzer: each case trains stock ZeRO-3, then AsyncHZP, on the same ranks,
 model, data and seed, and compares losses and consolidated parameters (tests/fuzz_models.py draws the cases).
 
-A planted defect (`payload["plant"]`) is applied to AsyncHZP only, to show the comparison catches it.
+A planted defect (a case's `plant`) is applied to AsyncHZP only, for that case, to show the comparison catches it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import os
@@ -90,33 +91,41 @@ def _compare(stock: dict, ours: dict) -> dict:
             "losses": ours["losses"], "stock_losses": stock["losses"], "optimizer": ours["optimizer"]}
 
 
-def _plant(name: str) -> None:
-    """Defects the fuzzer must catch, applied in this process to AsyncHZP's state classes."""
+@contextlib.contextmanager
+def planted(name: str):
+    """A defect the fuzzer must catch, applied to AsyncHZP's classes for one case (and removed after it)."""
+    from ds_asynchzp.comm import grad_reduce
     from ds_asynchzp.state import grad_shards
     if name == "zero_stale_gradient":
-        # Forget the last window's gradient at the end of every step (stock keeps it for parameters that get no
-        # gradient in the next window's first micro-step).
-        original = grad_shards.GradShards.end_step
+        # Forget the last window's gradient at the end of every step (the behaviour before the fix: stock keeps it
+        # for parameters that get no gradient in the next window's first backward).
+        owner, attribute = grad_shards.GradShards, "end_step"
+        original = owner.end_step
 
-        def end_step(self):
+        def replacement(self):
             original(self)
             self.buffer.own.zero_()
-        grad_shards.GradShards.end_step = end_step
     elif name == "first_adds":
         # The window's first backward adds to the kept gradient instead of replacing it (a missed copy).
-        from ds_asynchzp.comm import grad_reduce
-        original = grad_reduce.GradReduce.reduce_bucket
+        owner, attribute = grad_reduce.GradReduce, "reduce_bucket"
+        original = owner.reduce_bucket
 
-        def reduce_bucket(self, params, comm_dtype, first=False):
+        def replacement(self, params, comm_dtype, first=False):
             return original(self, params, comm_dtype, first=False)
-        grad_reduce.GradReduce.reduce_bucket = reduce_bucket
     elif name:
         raise ValueError(f"unknown planted defect {name!r}")
+    else:
+        yield
+        return
+    setattr(owner, attribute, replacement)
+    try:
+        yield
+    finally:
+        setattr(owner, attribute, original)
 
 
 def run_fuzz_cases(payload: dict) -> dict:
     deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=WORLD_TIMEOUT_S))
-    _plant(payload.get("plant", ""))
     results = {}
     for spec in payload["cases"]:
         started = time.perf_counter()
@@ -138,7 +147,8 @@ def run_fuzz_cases(payload: dict) -> dict:
             print(f"fuzz case {key}: stock ZeRO-3 raised {type(error).__name__}", flush=True)
             continue
         try:
-            ours = _train(spec, hierarchical=True)
+            with planted(spec.get("plant", "")):
+                ours = _train(spec, hierarchical=True)
         except Exception as error:
             results[key] = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()[-3000:]}
             print(f"fuzz case {key}: AsyncHZP raised {type(error).__name__}: {error}", flush=True)

@@ -14,8 +14,10 @@ across nodes once per step), so losses agree to a relative 1e-6 and the consolid
 normalised the rounding of near-zero gradients for a few steps, to a relative L2 distance of 5e-6 (the reasoning
 of tests/test_parity.py).
 
-CI runs the fixed seeds below. The long run: `python -m pytest -m fuzz tests/test_fuzz_parity.py`
-(`ASYNCHZP_FUZZ_CASES`, default 200, cases from seed `ASYNCHZP_FUZZ_FIRST_SEED`, default 1000). A failing case
+CI runs the fixed seeds below (4 ranks), the reported branch model over 12 steps on 4 ranks, the planted defects
+and the rank-dependent refusal, in two launches. The long run, `python -m pytest -m fuzz tests/test_fuzz_parity.py`,
+adds the branch model on 8 ranks in nodes of 4 and `ASYNCHZP_FUZZ_CASES` random cases (default 200, from seed
+`ASYNCHZP_FUZZ_FIRST_SEED`, default 1000). A failing case
 prints its spec and how to rerun it alone: `ASYNCHZP_FUZZ_SEEDS=<seed>[,<seed>...] python -m pytest -m fuzz
 tests/test_fuzz_parity.py -k long`.
 """
@@ -36,8 +38,15 @@ PARAM_RTOL = 5e-6
 
 # Chosen greedily from fuzz_models.case_spec(1..399) to cover every block kind, branch rule, knob value, GA,
 # clipping, tying, async on/off, optimizer replicas, d_g spanning nodes and the GatheredParameters events,
-# within three launches (4 ranks in nodes of 2 and 4; 8 in nodes of 4) of a few minutes on 2 cores.
-CI_SEEDS = [1, 2, 3, 4, 20, 48, 89, 146, 165, 188]
+# within two launches (4 ranks in nodes of 2 and of 4). Seed 48 (8 ranks in nodes of 4) runs with the long run.
+CI_SEEDS = [1, 2, 3, 4, 20, 89, 146, 165, 188]
+LONG_EXTRA_SEEDS = [48]
+# Defects planted in AsyncHZP (tests/_fuzz_workers.planted), each run on the CI seeds of 4 ranks in nodes of 2.
+PLANTS = ("zero_stale_gradient", "first_adds")
+PLANT_KEY = 100000
+# At most this many cases per launch, so that every launch ends well inside its timeout (a case of 8 ranks takes
+# up to 25 s on 2 cores); the CI set is one launch per layout.
+CASES_PER_LAUNCH = 24
 
 
 def _spec_with(seed: int, world: int, node: int, layout, zero: dict, knob_name: str, async_comm: bool,
@@ -53,12 +62,15 @@ def _spec_with(seed: int, world: int, node: int, layout, zero: dict, knob_name: 
                                  {"kind": "branch", "hidden": 11, "bias": True, "when": when}]}}
 
 
-def branch_regression_specs() -> list:
-    """A branch taken on even steps (and, for the windows that mix, on odd micro-steps) over 12 steps: 4 ranks in
-    nodes of 2 and 8 ranks in nodes of 4 (d_p 2, d_g 4), DeepSpeed's default knobs and the forced ones, async on
-    and off."""
-    specs, seed = [], 900
-    for world, node, layout in ((4, 2, (2, 2, 4)), (8, 4, (2, 4, 8))):
+BRANCH_LAYOUTS = {(4, 2): (2, 2, 4), (8, 4): (2, 4, 8)}
+
+
+def branch_regression_specs(world: int, node: int) -> list:
+    """A branch taken on even steps (and, for the windows that mix, on odd micro-steps) over 12 steps:
+    DeepSpeed's default knobs and the forced ones, async on and off. CI runs 4 ranks in nodes of 2; the long run
+    also 8 ranks in nodes of 4 (d_p 2, d_g 4)."""
+    specs, seed = [], 900 + 10 * world
+    for layout in (BRANCH_LAYOUTS[world, node],):
         for knob_name, zero in (("defaults", {}), ("forced", fuzz_models.FORCED_KNOBS)):
             for async_comm in (True, False):
                 when = "step_even" if async_comm else "micro_odd"
@@ -67,18 +79,33 @@ def branch_regression_specs() -> list:
     return specs
 
 
-def run_specs(specs: list, plant: str = "") -> dict:
-    """Train every spec (one launch per world and node size); per seed, rank 0's comparison."""
+def planted_specs() -> list:
+    """Each planted defect on each CI seed of 4 ranks in nodes of 2 (keys PLANT_KEY * (i + 1) + seed)."""
+    specs = []
+    for i, plant in enumerate(PLANTS):
+        for seed in CI_SEEDS:
+            spec = fuzz_models.case_spec(seed)
+            if (spec["world"], spec["node_size"]) == (4, 2):
+                specs.append(dict(spec, plant=plant, key=str(PLANT_KEY * (i + 1) + seed)))
+    return specs
+
+
+def run_specs(specs: list) -> dict:
+    """Train every spec (one launch per world and node size); per key (the seed unless set), rank 0's
+    comparison."""
     by_launch = {}
     for spec in specs:
         by_launch.setdefault((spec["world"], spec["node_size"]), []).append(spec)
     env = {"PYTHONPATH": str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     results = {}
-    for (world, node), group in sorted(by_launch.items()):
-        per_rank = launch_local("tests._fuzz_workers:run_fuzz_cases", world, node, {"cases": group, "plant": plant},
+    chunks = [(world, node, group[i:i + CASES_PER_LAUNCH]) for (world, node), group in sorted(by_launch.items())
+              for i in range(0, len(group), CASES_PER_LAUNCH)]
+    for world, node, group in chunks:
+        per_rank = launch_local("tests._fuzz_workers:run_fuzz_cases", world, node, {"cases": group},
                                 timeout_s=LAUNCH_TIMEOUT_S, env=env)
         for spec in group:
-            results[spec["seed"]] = (spec, [r[str(spec["seed"])] for r in per_rank])
+            key = int(spec.get("key", spec["seed"]))
+            results[key] = (spec, [r[str(key)] for r in per_rank])
     return results
 
 
@@ -110,7 +137,8 @@ def _report(found: list) -> str:
 
 @pytest.fixture(scope="module")
 def ci_results(deepspeed_cpu_ops):
-    return run_specs([fuzz_models.case_spec(s) for s in CI_SEEDS] + branch_regression_specs())
+    return run_specs([fuzz_models.case_spec(s) for s in CI_SEEDS] + branch_regression_specs(4, 2)
+                     + planted_specs() + rank_gate_specs())
 
 
 def test_fuzz_ci_seeds_train_as_stock_zero3(ci_results):
@@ -125,33 +153,40 @@ def test_fuzz_ci_seeds_train_as_stock_zero3(ci_results):
 def test_a_branch_taken_on_some_steps_trains_as_stock_zero3(ci_results):
     """The case this fuzzer began with: before the fix, AsyncHZP forgot the gradient stock ZeRO-3 keeps for a
     parameter that gets none in a window (relative loss differences of 1e-4 to 1e-3)."""
-    specs = branch_regression_specs()
+    specs = branch_regression_specs(4, 2)
     found = failures({s["seed"]: ci_results[s["seed"]] for s in specs})
     assert not found, _report(found)
     for spec in specs:
         assert ci_results[spec["seed"]][1][0]["optimizer"] == "HierarchicalZeroOptimizer"
 
 
-@pytest.mark.parametrize("plant", ["zero_stale_gradient", "first_adds"])
-def test_the_fuzzer_catches_a_planted_defect(deepspeed_cpu_ops, plant):
-    """The comparison can fail: with a defect planted in AsyncHZP's gradient shards, some CI seed of 4 ranks
-    in nodes of 2 disagrees with stock."""
-    specs = [spec for spec in (fuzz_models.case_spec(s) for s in CI_SEEDS) if (spec["world"], spec["node_size"]) == (4, 2)]
-    assert specs, "the CI seeds include 4 ranks in nodes of 2"
-    found = failures(run_specs(specs, plant=plant))
-    assert found, f"planted defect {plant} went unnoticed by {len(specs)} cases"
+@pytest.mark.parametrize("plant", PLANTS)
+def test_the_fuzzer_catches_a_planted_defect(ci_results, plant):
+    """The comparison can fail: with a defect planted in AsyncHZP's gradient path, some CI seed of 4 ranks in nodes
+    of 2 disagrees with stock (the planted cases run in the CI launch, one case at a time)."""
+    keys = [int(s["key"]) for s in planted_specs() if s["plant"] == plant]
+    assert keys, "the CI seeds include 4 ranks in nodes of 2"
+    found = failures({k: ci_results[k] for k in keys})
+    assert found, f"planted defect {plant} went unnoticed by {len(keys)} cases"
 
 
-def test_a_gradient_present_on_some_ranks_only_is_refused_by_name(deepspeed_cpu_ops):
-    """A parameter that a module running on every rank uses on rank 0 only has a gradient there and None on the
-    others. Stock ZeRO-3 aborts the process in gloo (its reduce-scatter sizes differ); AsyncHZP raises on every
-    rank, naming the parameter, async and synchronous."""
-    base = _spec_with(950, 4, 2, (2, 4, 4), {}, "defaults", True, "never", steps=2)
+RANK_GATE_SEEDS = (950, 951)
+
+
+def rank_gate_specs() -> list:
+    """A gain that a module running on every rank uses on rank 0 only: async and synchronous. Last in the CI
+    launch, since the error ends the case on every rank at once (every rank is in the one gradient group)."""
+    base = _spec_with(RANK_GATE_SEEDS[0], 4, 2, (2, 4, 4), {}, "defaults", True, "never", steps=2)
     base["model"]["blocks"].append({"kind": "rank_gate", "hidden": 5, "bias": False})
     base["stock"] = False
-    results = run_specs([base, dict(base, seed=951, async_comm=False)])
-    for seed in (950, 951):
-        for rank, result in enumerate(results[seed][1]):
+    return [base, dict(base, seed=RANK_GATE_SEEDS[1], async_comm=False)]
+
+
+def test_a_gradient_present_on_some_ranks_only_is_refused_by_name(ci_results):
+    """Its gradient is None on the other ranks. Stock ZeRO-3 aborts the process in gloo (its reduce-scatter sizes
+    differ); AsyncHZP raises on every rank, naming the parameter, async and synchronous."""
+    for seed in RANK_GATE_SEEDS:
+        for rank, result in enumerate(ci_results[seed][1]):
             error = result["error"] or ""
             assert "GradientMismatchError" in error and "gradient on some ranks and none on others" in error, error
             if rank == 0:
@@ -164,6 +199,12 @@ def _long_seeds() -> list:
         return [int(s) for s in chosen.split(",")]
     first = int(os.environ.get("ASYNCHZP_FUZZ_FIRST_SEED", "1000"))
     return list(range(first, first + int(os.environ.get("ASYNCHZP_FUZZ_CASES", "200"))))
+
+
+@pytest.mark.fuzz
+def test_a_branch_taken_on_some_steps_trains_as_stock_zero3_at_8_ranks(deepspeed_cpu_ops):
+    found = failures(run_specs(branch_regression_specs(8, 4) + [fuzz_models.case_spec(s) for s in LONG_EXTRA_SEEDS]))
+    assert not found, _report(found)
 
 
 @pytest.mark.fuzz
