@@ -61,13 +61,14 @@ def bucket_fingerprint(params: Sequence[torch.nn.Parameter]) -> List[int]:
 
 
 def check_same_bucket(params: Sequence[torch.nn.Parameter], group: Group, names: Dict[int, str],
-                      tag: str = "asynchzp.bucket_check") -> None:
+                      tag: str = "asynchzp.bucket_check", device=None) -> None:
     """Every member of `group` is about to reduce the same parameters. A parameter that gets a gradient on some
     ranks and none on others makes the buckets differ, and the reduction that follows would read sizes that do
     not match (gloo aborts the process; NCCL hangs or reads past the end): fail first, naming the parameters.
     Costs one all-gather of 3 integers per bucket, on the reducing thread's group."""
-    mine = torch.tensor(bucket_fingerprint(params), dtype=torch.int64)
-    every = torch.empty(group.size * 3, dtype=torch.int64)
+    # On the reduction's device: NCCL takes device tensors only.
+    mine = torch.tensor(bucket_fingerprint(params), dtype=torch.int64, device=device)
+    every = torch.empty(group.size * 3, dtype=torch.int64, device=device)
     with ledger.tagged(tag):
         all_gather(every, mine, group).wait()
     every = every.view(group.size, 3).tolist()
@@ -145,7 +146,7 @@ class GradReduce:
 
         def job() -> None:
             if self.group.size > 1:
-                check_same_bucket(params, self.group, self.names, self.check_tag)
+                check_same_bucket(params, self.group, self.names, self.check_tag, send.device)
             with ledger.tagged(self.tag):
                 if self.quantize is not None:
                     mine = scratch(self.scratch, "recv_fp32", width, torch.float32, send.device)
