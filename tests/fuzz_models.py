@@ -54,15 +54,10 @@ KNOB_CHOICES = {
 }
 
 
-def _divisors(n: int) -> list:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def valid_layouts(world: int, node: int) -> list:
-    """Every (d_p, d_g, d_o) the config accepts for this world and node size."""
-    from ds_asynchzp.config import _layout_issues
-    return [(p, g, o) for p in _divisors(node) for g in _divisors(world) for o in _divisors(world)
-            if not _layout_issues(p, g, o, node, world)]
+    """Every (d_p, d_g, d_o) the config accepts for this world and node size (the package's own list)."""
+    from ds_asynchzp.accounting.sizing import valid_layouts as accepted
+    return accepted(world, node)
 
 
 def model_spec(rng: random.Random) -> dict:
