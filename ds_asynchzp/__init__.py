@@ -31,7 +31,7 @@ _LAZY = {
     "resolve_for_initialize": "ds_asynchzp.runtime.api",
     "AsyncHZPEngine": "ds_asynchzp.runtime.engine",
     "HierarchicalZeroOptimizer": "ds_asynchzp.runtime.optimizer",
-    "SUPPORTED_DEEPSPEED_VERSION": "ds_asynchzp.runtime.deepspeed_internals",
+    "SUPPORTED_DEEPSPEED_VERSION": "ds_asynchzp.platform.deepspeed_internals",
 }
 
 

@@ -25,7 +25,7 @@ from ds_asynchzp.bench.data import batch_for
 from ds_asynchzp.bench.model import MODEL_PRESETS, build_model
 from ds_asynchzp.accounting.memory import model_state_bytes
 from ds_asynchzp.accounting.sizing import padded_num_params
-from ds_asynchzp.runtime.deepspeed_internals import autoep_groups
+from ds_asynchzp.platform.deepspeed_internals import autoep_groups
 
 # The benchmark's ZeRO-3 knobs (every arm the same; nothing stays gathered between passes), with small
 # gradient buckets so several bucket flushes happen per backward.
@@ -227,7 +227,7 @@ def _record_hzp_allocations(engine, recorder) -> None:
                 return _original(*args, **kwargs)
 
         setattr(optimizer, name, recorded)
-    from ds_asynchzp.runtime.deepspeed_internals import STAGE3_AVG_SCATTER_GRADS
+    from ds_asynchzp.platform.deepspeed_internals import STAGE3_AVG_SCATTER_GRADS
     setattr(optimizer, STAGE3_AVG_SCATTER_GRADS, optimizer._hzp_reduce_bucket)
 
 

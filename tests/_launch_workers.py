@@ -100,7 +100,7 @@ def deepspeed_comm_workspaces(payload: dict) -> dict:
     """Initialise deepspeed.comm on CPU and report the shared-memory workspaces its CPU op created."""
     import deepspeed
 
-    from ds_asynchzp.runtime.deepspeed_internals import cpu_comm_workspaces
+    from ds_asynchzp.platform.deepspeed_internals import cpu_comm_workspaces
 
     deepspeed.init_distributed(dist_backend="gloo")
     deepspeed.comm.barrier()   # every rank has created its own

@@ -12,8 +12,8 @@ import torch
 
 from ds_asynchzp.comm.param_gather import GatherSource, ParamGather
 from ds_asynchzp.layout import HierarchicalLayout
-from ds_asynchzp.runtime.deepspeed_internals import ZeroParamStatus
-from ds_asynchzp.runtime.process_groups import Group
+from ds_asynchzp.platform.deepspeed_internals import ZeroParamStatus
+from ds_asynchzp.platform.process_groups import Group
 from ds_asynchzp.scheduler.comm_thread import CommThread, InlineRunner
 from ds_asynchzp.state.buffer_pool import BufferPool
 from ds_asynchzp.state.param_shards import ParamShards

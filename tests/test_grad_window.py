@@ -11,7 +11,7 @@ import torch
 
 from ds_asynchzp.comm.grad_reduce import GradReduce, bucket_fingerprint
 from ds_asynchzp.layout import HierarchicalLayout
-from ds_asynchzp.runtime.process_groups import Group
+from ds_asynchzp.platform.process_groups import Group
 from ds_asynchzp.scheduler.comm_thread import InlineRunner
 from ds_asynchzp.state.grad_shards import GradShards, Window
 

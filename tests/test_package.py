@@ -16,11 +16,13 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: Path, name: str, modules=()) -> set:
-    """Package modules imported at module level (imports inside functions are deferred and cannot cycle)."""
+def _imports(path: Path, name: str, modules=(), deferred: bool = False) -> set:
+    """Package modules imported at module level (imports inside functions are deferred and cannot cycle), or
+    anywhere in the file with `deferred`."""
     is_package = path.name == "__init__.py"
     out = set()
-    for node in ast.parse(path.read_text()).body:
+    tree = ast.parse(path.read_text())
+    for node in (ast.walk(tree) if deferred else tree.body):
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = name.split(".")[: len(name.split(".")) - node.level + (1 if is_package else 0)]
@@ -57,6 +59,27 @@ def test_no_import_cycle_between_modules():
     for name in sorted(graph):
         if name not in state:
             visit(name)
+
+
+# The runtime's layers, lowest first: each may import the ones below it, never one above (deferred imports
+# included). The runtime uses the scheduler and the communication flows, which use the state, which uses the
+# platform (DeepSpeed's private surface, process groups, streams).
+LAYERS = ["platform", "state", "comm", "scheduler", "runtime"]
+
+
+def test_runtime_layers_import_downwards_only():
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    wrong = []
+    for name, path in modules.items():
+        parts = name.split(".")
+        if len(parts) < 2 or parts[1] not in LAYERS:
+            continue
+        level = LAYERS.index(parts[1])
+        for target in _imports(path, name, modules, deferred=True):
+            tparts = target.split(".")
+            if len(tparts) > 1 and tparts[1] in LAYERS and LAYERS.index(tparts[1]) > level:
+                wrong.append(f"{name} imports {target}")
+    assert not wrong, "imports that point up the layers: " + "; ".join(sorted(wrong))
 
 
 @pytest.mark.parametrize("module", ["ds_asynchzp.planner.cli", "ds_asynchzp.netem.cleanup", "ds_asynchzp.config",

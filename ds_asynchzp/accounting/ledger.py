@@ -49,7 +49,7 @@ from typing import Dict, Iterator, List, Optional
 
 import torch
 
-from ..runtime.deepspeed_internals import comm_backend, ds_comm
+from ..platform.deepspeed_internals import comm_backend, ds_comm
 
 # method -> (op kind, positional parameter names as torch.distributed spells them, the argument whose size
 # is the collective's total size S). The backend's methods are wrapped by decorators that hide their

@@ -9,7 +9,7 @@ communication buffers are not model states.
 
 from __future__ import annotations
 
-from ..runtime.deepspeed_internals import stage3_model_state_tensors
+from ..platform.deepspeed_internals import stage3_model_state_tensors
 
 
 def model_state_bytes(engine) -> dict:

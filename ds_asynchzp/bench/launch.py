@@ -38,7 +38,7 @@ HUNG_LOG_TAIL_LINES = 80
 
 # Directory holding the ds_asynchzp package; children need it on sys.path to run
 # `-m ds_asynchzp.bench._rank_entry` when the package is used from a source checkout.
-_PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+_PACKAGE_ROOT = Path(__file__).resolve().parent.parent.parent
 
 
 class RankFailure(RuntimeError):
@@ -155,7 +155,7 @@ def remove_cpu_comm_workspaces(master_addr: str, master_port: int) -> None:
     it once every rank of the rendezvous has ended."""
     if "deepspeed" not in sys.modules and importlib.util.find_spec("deepspeed") is None:
         return   # a launch of plain torch ranks: nothing of DeepSpeed's to remove
-    from ..runtime.deepspeed_internals import cpu_comm_workspaces
+    from ..platform.deepspeed_internals import cpu_comm_workspaces
 
     for path in cpu_comm_workspaces(master_addr, master_port):
         path.unlink(missing_ok=True)

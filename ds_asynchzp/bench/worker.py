@@ -162,7 +162,7 @@ def run_arm(payload: dict) -> dict:
     from ds_asynchzp.accounting import ledger
     from ds_asynchzp.accounting.memory import model_state_bytes
 
-    from ds_asynchzp.runtime.deepspeed_internals import autoep_groups
+    from ds_asynchzp.platform.deepspeed_internals import autoep_groups
 
     from .data import batch_for
 

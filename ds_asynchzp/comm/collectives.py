@@ -2,7 +2,7 @@
 
 Going through `deepspeed.comm` (not `torch.distributed`) keeps every byte visible to the communication
 ledger and to DeepSpeed's comms logger. Each collective is issued by the one thread that owns its group
-(`runtime.process_groups.OWNER`); `delay_injection` can wrap each one in a test-only delay. Every function takes a `Group` record and the output tensor the
+(`platform.process_groups.OWNER`); `delay_injection` can wrap each one in a test-only delay. Every function takes a `Group` record and the output tensor the
 caller allocated (from a reusable scratch buffer), and returns a work handle (`None` for a one-rank group,
 which never communicates: it degenerates to a local copy). There is no point-to-point anywhere: on NCCL a
 lone send/recv pair creates a communicator per rank pair, and a cycle of them deadlocks.
@@ -16,8 +16,8 @@ from typing import Optional
 import torch
 
 from ..accounting import ledger
-from ..runtime.deepspeed_internals import backend_name, ds_comm
-from ..runtime.process_groups import Group
+from ..platform.deepspeed_internals import backend_name, ds_comm
+from ..platform.process_groups import Group
 from . import delay_injection
 
 _NOTHING = object()

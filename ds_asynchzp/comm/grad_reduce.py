@@ -22,7 +22,7 @@ from .. import ops
 from ..accounting import ledger
 from ..errors import GradientMismatchError
 from ..quantization import QuantFormat
-from ..runtime.process_groups import Group
+from ..platform.process_groups import Group
 from ..state.buffer_pool import StagingRing
 from ..state.grad_shards import GradShards
 from . import quantized

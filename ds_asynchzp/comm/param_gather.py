@@ -28,8 +28,8 @@ import torch
 from .. import ops
 from ..accounting import ledger
 from ..quantization import QuantFormat
-from ..runtime.deepspeed_internals import mark_available, mark_inflight
-from ..runtime.process_groups import Group
+from ..platform.deepspeed_internals import mark_available, mark_inflight
+from ..platform.process_groups import Group
 from ..state.buffer_pool import BufferPool
 from ..state.param_shards import ParamShards
 from . import quantized

@@ -28,7 +28,7 @@ import torch
 
 from .. import ops
 from ..quantization import QuantFormat
-from ..runtime.process_groups import Group
+from ..platform.process_groups import Group
 from .collectives import all_gather as _all_gather
 from .collectives import all_to_all as _all_to_all
 from .collectives import scratch

@@ -35,7 +35,7 @@ import torch
 
 from ..accounting import ledger
 from ..quantization import NO_QUANTIZATION, QuantizationPlan
-from ..runtime.process_groups import ProcessGroups
+from ..platform.process_groups import ProcessGroups
 from ..state.error_feedback import ErrorFeedback
 from ..state.grad_shards import GradShards, Window
 from ..state.sharded_buffer import ShardedBuffer

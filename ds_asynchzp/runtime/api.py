@@ -12,7 +12,7 @@ from deepspeed.pipe import PipelineModule
 from ..accounting.sizing import padded_num_params
 from ..config import ResolvedLayout, resolve_layout, section_from_ds_config
 from ..errors import AsyncHZPConfigError, AsyncHZPNotActiveError
-from .deepspeed_internals import ds_comm, engine_class_swapped
+from ..platform.deepspeed_internals import ds_comm, engine_class_swapped
 from .engine import engine_class_for
 from .optimizer import HierarchicalZeroOptimizer
 

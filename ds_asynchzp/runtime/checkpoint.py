@@ -38,7 +38,7 @@ from .checkpoint_files import (FORMAT, MANIFEST, RETIRED_PREFIX, _REPORTED, Chec
                                check_model, check_partitioning, check_torch_file, check_universal_states,
                                inspect_checkpoint, resolve_tag)
 from . import rank_state
-from .deepspeed_internals import ds_comm
+from ..platform.deepspeed_internals import ds_comm
 
 STAGING_PREFIX = ".asynchzp-staging-"
 # Testing only: the global rank named here SIGKILLs itself inside the save, after its model-state file and

@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ..errors import CheckpointError
-from .deepspeed_internals import engine_zero_param_shapes, optimizer_state_file_classes
+from ..platform.deepspeed_internals import engine_zero_param_shapes, optimizer_state_file_classes
 
 MANIFEST = "asynchzp_manifest.json"
 FORMAT = "ds_asynchzp-checkpoint/1"

@@ -7,7 +7,7 @@ from __future__ import annotations
 from ..config import ResolvedLayout
 from ..errors import AsyncHZPNotActiveError
 from . import checkpoint
-from .deepspeed_internals import DeepSpeedEngine, stage3_optimizer_class_swapped
+from ..platform.deepspeed_internals import DeepSpeedEngine, stage3_optimizer_class_swapped
 from .optimizer import HierarchicalZeroOptimizer, optimizer_class_for
 
 

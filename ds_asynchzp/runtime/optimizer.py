@@ -48,7 +48,7 @@ from ..state.error_feedback import ErrorFeedback
 from ..state.grad_shards import GradShards, Window
 from ..state.param_shards import ParamShards
 from ..state.sharded_buffer import ShardedBuffer
-from .deepspeed_internals import (STAGE3_AVG_SCATTER_CONTIGUOUS_GRADS, STAGE3_AVG_SCATTER_GRADS,
+from ..platform.deepspeed_internals import (STAGE3_AVG_SCATTER_CONTIGUOUS_GRADS, STAGE3_AVG_SCATTER_GRADS,
                                   DeepSpeedZeroOptimizer_Stage3, at_accumulation_boundary, check_stage3_instance,
                                   ds_comm, install_param_hooks, is_available, is_first_micro_step, is_zero_param,
                                   partition_group_of,
@@ -56,7 +56,7 @@ from .deepspeed_internals import (STAGE3_AVG_SCATTER_CONTIGUOUS_GRADS, STAGE3_AV
                                   restore_param_hooks, stage3_bucket_params, stage3_persistent_parameters,
                                   stage3_sub_groups)
 from .placement import Family, families_of
-from .process_groups import ProcessGroups, build_process_groups
+from ..platform.process_groups import ProcessGroups, build_process_groups
 
 
 @dataclass

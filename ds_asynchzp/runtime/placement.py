@@ -27,7 +27,7 @@ from typing import Dict, List, Tuple
 
 from ..errors import AsyncHZPConfigError
 from ..layout import HierarchicalLayout, expert_layout, members_per_node
-from .deepspeed_internals import (AUTOEP_EXPERT_FAMILY, REPLICATED_FAMILY, ds_comm, expert_data_parallel_group,
+from ..platform.deepspeed_internals import (AUTOEP_EXPERT_FAMILY, REPLICATED_FAMILY, ds_comm, expert_data_parallel_group,
                                   expert_group_name, group_ranks, placement_family, resolved_partition_group)
 
 DENSE = "dense"

@@ -7,7 +7,7 @@ Three communication threads, one per flow of a step, so that one flow never wait
 * `boundary`: the once-per-step cross-node work (gradient sum into the owners, optimizer-replica all-reduce,
   parameter refresh), overlapped with the last backward and the next forward.
 
-Each issues only on its own process groups (`runtime.process_groups.OWNER`). On CUDA each has its own stream,
+Each issues only on its own process groups (`platform.process_groups.OWNER`). On CUDA each has its own stream,
 so its collectives and copies run beside compute; events order them (see `comm_thread`). With
 `async_comm: false` the three are inline runners on the training thread: the same jobs, in the same order.
 
