@@ -10,6 +10,12 @@ The reduction and the addition of this rank's atoms into the gradient shard run 
 thread: a reduce-scatter (or, with `reduce_scatter: false`, an all-reduce, as stock), or with quantized
 gradients a quantized pairwise exchange summed in fp32 (`comm.quantized`). Whoever reads the gradient shard
 first waits for every such job (`drain`).
+
+Ordering on the device: the pack runs on the stream current in DeepSpeed's hook (its reduce-and-partition side
+stream, with `overlap_comm`), so the job's stream waits on an event recorded there after the pack, and on the
+gradient shard's host events (the zeroing after a step). The gradients autograd made are another matter: they
+belong to the caching allocator of the stream that made them, and the optimizer keeps each alive until the pack
+has read it (`platform.streams.keep_alive`) before it drops it.
 """
 
 from __future__ import annotations
@@ -21,8 +27,9 @@ import torch
 from .. import ops
 from ..accounting import ledger
 from ..errors import GradientMismatchError
-from ..quantization import QuantFormat
+from ..platform import streams
 from ..platform.process_groups import Group
+from ..quantization import QuantFormat
 from ..state.buffer_pool import StagingRing
 from ..state.grad_shards import GradShards
 from . import quantized
@@ -166,7 +173,9 @@ class GradReduce:
                     atoms.add_(mine[start:start + size].view(atoms.shape))
                 start += size
 
-        pending = self.runner.submit(job, "gradient reduce-scatter", self.group.name)
+        # Where the pack (and any zeroing of the own row) ran, and the training thread's other accesses.
+        after = [streams.record()] + self.grads.buffer.host_events()
+        pending = self.runner.submit(job, "gradient reduce-scatter", self.group.name, after=after)
         self.staging.hold(index, pending)
         self.inflight.append(pending)
         return pending

@@ -15,6 +15,14 @@ is recorded; while the next micro-step repeats it, each request also submits the
 so their gathers run while the current module computes. A request that departs from the recording stops the
 prefetch for the rest of the sequence and becomes the new recording; a prefetched gather nobody asked for is
 given back at the next sequence. Every rank records the same requests, so every rank issues the same gathers.
+
+Ordering on the device (`platform.streams`). The coordinator asks for gathers, and waits for them, inside
+DeepSpeed's allgather stream, which never waits on compute; so nothing here rests on the current stream. A
+gather job's stream waits on: the events its pool buffers were released with (recorded on the compute stream,
+where the module that read the parameter ran, when the coordinator released it), the shard buffers' host
+events (the optimizer's step, a load, an edit) and the refresh jobs of the columns it reads. The compute stream
+is the one current when the engine's forward starts a micro-step; a published parameter is waited for on both
+the current stream and compute.
 """
 
 from __future__ import annotations
@@ -27,9 +35,10 @@ import torch
 
 from .. import ops
 from ..accounting import ledger
-from ..quantization import QuantFormat
+from ..platform import streams
 from ..platform.deepspeed_internals import mark_available, mark_inflight
 from ..platform.process_groups import Group
+from ..quantization import QuantFormat
 from ..state.buffer_pool import BufferPool
 from ..state.param_shards import ParamShards
 from . import quantized
@@ -49,7 +58,7 @@ class GatherHandle:
     def wait(self, handle_dependency: bool = True) -> None:
         if self.complete:
             return
-        slots: Dict[int, torch.Tensor] = self.job.wait()
+        slots: Dict[int, torch.Tensor] = self.job.wait(also=[self.owner.compute])
         for param in self.params:
             slot = slots[param.ds_id]
             self.owner.leases[param.ds_id] = slot
@@ -57,9 +66,11 @@ class GatherHandle:
         self.complete = True
 
     def discard(self) -> None:
-        """A prefetched gather nobody asked for: its buffers go back to the pool unpublished."""
-        for slot in self.job.wait().values():
-            self.owner.pool.release(slot)
+        """A prefetched gather nobody asked for: its buffers go back to the pool unpublished (the next writer
+        waits for this one's write). The current stream waits for it too: whoever rewrites the shards next (the
+        step, a load) must come after its reads."""
+        for slot in self.job.wait(also=[self.owner.compute]).values():
+            self.owner.pool.release(slot, [self.job.done_event])
 
 
 @dataclass
@@ -82,6 +93,7 @@ class ParamGather:
     def __init__(self, sources: Sequence[GatherSource], runner, pool: BufferPool, prefetch_depth: int):
         self.sources, self.runner, self.pool = list(sources), runner, pool
         self.prefetch_depth = prefetch_depth if runner.is_async else 0
+        self.compute = streams.current()           # where published parameters are read; see new_sequence
         self.leases: Dict[int, torch.Tensor] = {}  # ds_id -> pool buffer its published full value lives in
         self.scratch = {}                          # send/receive buffers, used only inside gather jobs
         self._source_of: Dict[int, GatherSource] = {}
@@ -115,15 +127,20 @@ class ParamGather:
         waits = [job for source, members in groups for job in source.refresh_waits(members)]
         # Output buffers are taken here, on the training thread, in program order: which pooled buffer is free
         # then depends only on what the training thread released before, never on thread timing (so the pool
-        # stops growing once warmed up); on CUDA the job's stream is ordered after those releases by the event
-        # recorded at submit.
-        slots = {}
+        # stops growing once warmed up). The job's stream waits on their release events and on the training
+        # thread's latest accesses to the shard buffers it reads.
+        slots, after, read = {}, [], {}
         for source, members in groups:
             rows, d_p = source.shards.rows, source.group.size
             for param in members:
                 buffer = source.shards.buffer_of(param)
-                slots[param.ds_id] = self.pool.acquire(d_p * rows * buffer.columns[param.ds_id].atom,
-                                                       buffer.data.dtype, buffer.data.device)
+                read[id(buffer)] = buffer
+                slots[param.ds_id], released = self.pool.acquire(
+                    d_p * rows * buffer.columns[param.ds_id].atom, buffer.data.dtype, buffer.data.device,
+                    readers_stream=self.compute)
+                after.extend(released)
+        for buffer in read.values():
+            after.extend(buffer.host_events())
 
         def job() -> Dict[int, torch.Tensor]:
             for refresh in waits:
@@ -133,7 +150,8 @@ class ParamGather:
                     self._gather(members, slots, source, source.quantize if quantize else None)
             return slots
 
-        return self.runner.submit(job, "parameter all-gather", ",".join(s.group.name for s, _ in groups))
+        return self.runner.submit(job, "parameter all-gather", ",".join(s.group.name for s, _ in groups),
+                                  after=after)
 
     def _gather(self, params: List[torch.nn.Parameter], slots: Dict[int, torch.Tensor], source: GatherSource,
                 fmt: Optional[QuantFormat]) -> None:
@@ -180,7 +198,8 @@ class ParamGather:
         if param.data.numel() and param.data.data_ptr() == slot.data_ptr():
             return    # still published (persistent, or kept for reuse)
         del self.leases[param.ds_id]
-        self.pool.release(slot)
+        # The module that read it ran on compute; a reader on the current stream (if another) is covered too.
+        self.pool.release(slot, [streams.record(s) for s in streams.distinct([self.compute, streams.current()])])
 
     def regather_in_place(self, params: Sequence[torch.nn.Parameter]) -> None:
         """Rewrite already-gathered parameters (ZeRO-3 persistent ones) from their refreshed shards, in place."""
@@ -190,18 +209,20 @@ class ParamGather:
         for param in params:
             slot = slots[param.ds_id]
             param.data.copy_(slot.narrow(0, 0, param.ds_numel).view(param.ds_shape))
-            self.pool.release(slot)
+            self.pool.release(slot, [streams.record()])
 
     def full_value(self, param) -> torch.Tensor:
         """A copy of the full parameter built from its shard (collective; publishes nothing)."""
         slot = self._submit([param], "inspect").wait()[param.ds_id]
         value = slot.narrow(0, 0, param.ds_numel).view(param.ds_shape).clone()
-        self.pool.release(slot)
+        self.pool.release(slot, [streams.record()])
         return value
 
     # ------------------------------------------------------------------------------------- prefetch
     def new_sequence(self) -> None:
-        """A micro-step starts (the engine's forward): replay the last recording from its start."""
+        """A micro-step starts (the engine's forward): replay the last recording from its start. The stream
+        current here, outside DeepSpeed's hooks, is where this micro-step's modules compute."""
+        self.compute = streams.current()
         self.drop_prefetched()
         if self._recording:
             self._replay = self._recording

@@ -19,6 +19,11 @@ the transient memory is one bucket and the cross-node hop overlaps compute:
 Every rank submits the same chunks in the same order: a chunk's readiness depends only on which buckets were
 submitted, never on when a reduction finished.
 
+Ordering on the device: a chunk job's stream waits on the buffer's host events (the training thread's zeroing
+and the optimizer's step) and on the jobs it depends on, by their events. A buffer's latest refresh is kept
+until the next one replaces it, and a gather waits on its jobs' events even when they are done on the host:
+the host function returning means only that the kernels are enqueued.
+
 Quantized (`ds_asynchzp.quantization`: `quantize_cross_node`, `quantized_gradients`): the gradient exchange
 sends each row block-quantized and sums the dequantized rows in fp32 (optionally with error feedback: each
 rank adds to every row it sends what the quantization dropped from that row the step before); the replica
@@ -110,7 +115,7 @@ class StepBoundary:
         self._waiting: List[set] = []                 # per chunk: parameters whose bucket is not submitted yet
         self._bucket_jobs: List[set] = []             # per chunk: reduce jobs it must wait for
         self._completed: set = set()
-        self._refresh: Dict[str, tuple] = {}          # buffer name -> (chunks, jobs)
+        self._refresh: Dict[str, tuple] = {}          # buffer name -> (chunks, jobs) of its latest refresh
         self._chunk_cache: Dict[int, tuple] = {}      # id(buffer) -> (buffer, its chunks): a buffer's are fixed
 
     def _chunks(self, buffer: ShardedBuffer) -> _Chunks:
@@ -182,7 +187,8 @@ class StepBoundary:
             self._reduce_chunk(grads.buffer, start, end, comm_dtype, segments)
 
         self._grad_jobs[index] = self.runner.submit(job, "cross-node gradient reduction",
-                                                    self.groups.grad_boundary.name)
+                                                    self.groups.grad_boundary.name,
+                                                    after=grads.buffer.host_events())
 
     def _reduce_chunk(self, buffer: ShardedBuffer, start: int, end: int, comm_dtype: torch.dtype,
                       segments: List[int]) -> None:
@@ -232,8 +238,9 @@ class StepBoundary:
         fmt = None if exact else self.quantization.param_refresh
         for buffer in buffers:
             chunks = self._chunks(buffer)
+            after = buffer.host_events()     # the step's (or a load's) write into the own row, among others
             jobs = [self.runner.submit(self._refresh_job(buffer, start, end, fmt, segments), "parameter refresh",
-                                       group.name)
+                                       group.name, after=after)
                     for (start, end), segments in zip(chunks.ranges, chunks.segments)]
             self._refresh[buffer.name] = (chunks, jobs)
 
@@ -259,7 +266,8 @@ class StepBoundary:
         return job
 
     def refresh_waits(self, params) -> list:
-        """The refresh jobs that hold any of `params`' columns (what a gather of them must wait for)."""
+        """The jobs of the latest refresh that hold any of `params`' columns (what a gather of them waits for,
+        by their events: done on the host or not)."""
         if not self._refresh:
             return []
         jobs = {}
@@ -267,7 +275,7 @@ class StepBoundary:
             for chunks, submitted in self._refresh.values():
                 for index in chunks.of_param.get(param.ds_id, ()):
                     jobs[id(submitted[index])] = submitted[index]
-        return [job for job in jobs.values() if not job.done]
+        return list(jobs.values())
 
     def refresh_params(self, buffers: Iterable[ShardedBuffer], exact: bool = False) -> None:
         """Refresh now and wait. At construction `exact` (never quantized), so training starts from the weights
@@ -276,7 +284,8 @@ class StepBoundary:
         self.wait_refresh()
 
     def wait_refresh(self) -> None:
-        refresh, self._refresh = self._refresh, {}
-        for _, jobs in refresh.values():
+        """The current stream waits for every refresh (before the shards are rewritten). The jobs stay known
+        until the next refresh of their buffer, for the gathers that read what they wrote."""
+        for _, jobs in self._refresh.values():
             for job in jobs:
                 job.wait()

@@ -163,6 +163,7 @@ _STAGE3_INSTANCE_ATTRIBUTES = [
     ("gradient_predivide_factor", "gradient averaging"),
     ("postscale_gradients", "gradient averaging"),
     ("timers", "step timers logged after the refresh"),
+    ("reduce_and_partition_stream", "the side stream of the fp16 overflow check, ordered after our gradient writes"),
     ("_is_gradient_accumulation_boundary", "whether the running backward ends the accumulation window"),
     ("micro_step_id", "backwards since the last step: the first copies into the gradient partition, later ones add"),
 ]
@@ -190,6 +191,12 @@ def is_first_micro_step(optimizer) -> bool:
     gradient into its partition instead of adding to it. Its partition buffer is never zeroed: a parameter that
     gets no gradient in that backward keeps the value it had, and the window's later backwards add to it."""
     return optimizer.micro_step_id == 0
+
+
+def stage3_side_stream(optimizer):
+    """Stage 3's reduce-and-partition stream (None on a synchronized device): DeepSpeed runs the gradient bucket
+    hooks and the fp16 overflow check's read of the gradient partitions on it."""
+    return optimizer.reduce_and_partition_stream
 
 
 def stage3_persistent_parameters(optimizer):

@@ -42,6 +42,7 @@ from ..comm.step_boundary import StepBoundary
 from ..config import ResolvedLayout
 from ..layout import HierarchicalLayout
 from ..quantization import QuantizationPlan
+from ..platform import streams
 from ..scheduler.context import CommContext
 from ..state.buffer_pool import BufferPool
 from ..state.error_feedback import ErrorFeedback
@@ -54,7 +55,7 @@ from ..platform.deepspeed_internals import (STAGE3_AVG_SCATTER_CONTIGUOUS_GRADS,
                                   partition_group_of,
                                   rehome_stage3_grad_partitions, rehome_stage3_param_flats, repartition,
                                   restore_param_hooks, stage3_bucket_params, stage3_persistent_parameters,
-                                  stage3_sub_groups)
+                                  stage3_side_stream, stage3_sub_groups)
 from .placement import Family, families_of
 from ..platform.process_groups import ProcessGroups, build_process_groups
 
@@ -100,6 +101,7 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         self._hzp_in_step = False
         # After a discarded window: the parameters reduced in the next window's first backward (see `step`).
         self._hzp_after_discard: Optional[set] = None
+        self._hzp_updated: set = set()   # parameters edited while gathered, until DeepSpeed re-partitions them
         kwargs["dp_process_group"] = self.hzp_dense.groups.optimizer.handle
         super().__init__(module, init_optimizer, *args, **kwargs)
         check_stage3_instance(self)
@@ -128,7 +130,7 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             for param in placement.shards.params:
                 self._hzp_placement_of[param.ds_id] = placement
                 install_param_hooks(param, self.hzp_gather.all_gather_coalesced, self._hzp_parameter_updated,
-                                    self.hzp_gather.released)
+                                    self._hzp_parameter_released)
         if layout.log_layout and ds_comm.get_rank() == 0:
             print(f"[ds_asynchzp] {layout.describe()}", flush=True)
             for placement in self.hzp_placements[1:]:
@@ -231,11 +233,19 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
     def has_overflow(self, partition_gradients=True):
         owners = self._hzp_trainable_placements()
         if not partition_gradients or len(owners) <= 1:
+            self._hzp_order_overflow_check()
             return super().has_overflow(partition_gradients)
         local = any(not bool(torch.isfinite(p.grads.own).all()) for p in owners)
         flag = torch.tensor([1 if local else 0], dtype=torch.uint8, device=owners[0].grads.own.device)
         ds_comm.all_reduce(flag, op=ds_comm.ReduceOp.MAX)   # every rank: the experts' groups differ
         return bool(flag.item())
+
+    def _hzp_order_overflow_check(self) -> None:
+        """Stage 3 reads the gradient partitions on its side stream; our jobs wrote them on theirs. The current
+        stream waited for those jobs (`hzp_finish_window`), so the side stream waits on the current one."""
+        side = stage3_side_stream(self)
+        if side is not None:
+            streams.wait(streams.record(), side)
 
     # ----------------------------------------------------------------------------- per micro-step
     @torch.no_grad()
@@ -258,8 +268,11 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
                                        communication_data_type)
 
     def partition_grads(self, params_to_release, grad_partitions) -> list:
-        """The bucket was packed for reduction already (`_hzp_reduce_bucket`): the gradients can go."""
+        """The bucket was packed for reduction already (`_hzp_reduce_bucket`), on the current stream (Stage 3's
+        side stream): each gradient's memory is kept from the allocator until that stream has read it, as stock
+        does, then the gradients can go."""
         for param in params_to_release:
+            streams.keep_alive(param.grad)
             param.grad = None
         return []
 
@@ -275,8 +288,20 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             def job():
                 with ledger.tagged(f"{placement.family.tag}.modified_parameter"):
                     broadcast(full.data, outer, 0).wait()
-            self.hzp_comm.boundary.submit(job, "modified-parameter broadcast", outer.name).wait()
+            # The caller wrote `full` on the current stream.
+            self.hzp_comm.boundary.submit(job, "modified-parameter broadcast", outer.name,
+                                          after=[streams.record()]).wait()
         placement.shards.set_full(param, full)
+        self._hzp_updated.add(param.ds_id)
+
+    def _hzp_parameter_released(self, param) -> None:
+        """DeepSpeed re-partitioned a parameter: its gathered buffer goes back to the pool; after an edit, DeepSpeed
+        has also just copied the new value into the own atom (on the current stream), which the next gather must
+        come after."""
+        self.hzp_gather.released(param)
+        if param.ds_id in self._hzp_updated:
+            self._hzp_updated.discard(param.ds_id)
+            self._hzp_placement_of[param.ds_id].shards.buffer_of(param).note_host_access()
 
     def _hzp_quiesce_params(self) -> None:
         """Before the parameter shards are rewritten: no gather may read them, no refresh may write them."""
@@ -387,29 +412,32 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             self.hzp_gather.all_gather_coalesced(missing, flow="persistent_regather").wait()
 
     # ----------------------------------------------- readers and writers of gradients after backward
-    def get_fp32_grad_for_param(self, param):
+    def _hzp_gradient_access(self, call, *args):
+        """DeepSpeed reads or writes the own gradient atoms (on the current stream): the window must be summed
+        first, and the next window's jobs must come after this access."""
         self.hzp_finish_window()
-        return super().get_fp32_grad_for_param(param)
+        result = call(*args)
+        for placement in self._hzp_trainable_placements():
+            placement.grads.buffer.note_host_access()
+        return result
+
+    def get_fp32_grad_for_param(self, param):
+        return self._hzp_gradient_access(super().get_fp32_grad_for_param, param)
 
     def set_fp32_grad_for_param(self, value, param):
-        self.hzp_finish_window()
-        return super().set_fp32_grad_for_param(value, param)
+        return self._hzp_gradient_access(super().set_fp32_grad_for_param, value, param)
 
     def get_local_fp32_grad_for_param(self, param):
-        self.hzp_finish_window()
-        return super().get_local_fp32_grad_for_param(param)
+        return self._hzp_gradient_access(super().get_local_fp32_grad_for_param, param)
 
     def set_local_grad_for_param(self, value, param):
-        self.hzp_finish_window()
-        return super().set_local_grad_for_param(value, param)
+        return self._hzp_gradient_access(super().set_local_grad_for_param, value, param)
 
     def get_fp32_grad_partitions(self):
-        self.hzp_finish_window()
-        return super().get_fp32_grad_partitions()
+        return self._hzp_gradient_access(super().get_fp32_grad_partitions)
 
     def update_fp32_grad_for_param_vectorized(self, update_func, param_list):
-        self.hzp_finish_window()
-        return super().update_fp32_grad_for_param_vectorized(update_func, param_list)
+        return self._hzp_gradient_access(super().update_fp32_grad_for_param_vectorized, update_func, param_list)
 
     # -------------------------------------------------------------------------------- checkpoints
     def load_state_dict(self, *args, **kwargs):

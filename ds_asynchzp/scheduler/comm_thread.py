@@ -5,14 +5,16 @@ jobs in submission order: so every rank issues the same collectives in the same 
 what gloo and NCCL match collectives by. A job that fails poisons its thread: the later jobs are not run (their
 collectives would no longer line up across ranks) and fail with the same error.
 
-On CUDA a job runs on the thread's stream. Before it starts, that stream waits on an event recorded on the
-submitting thread's stream at submit time (so the job reads what compute wrote before the submit); when it ends,
-an event is recorded on the thread's stream, and the consumer's stream waits on it in `Pending.wait` (no host
-synchronisation on the critical path). On CPU the collectives are synchronous inside the job, so a completed
-job means the data is ready.
+On a device with streams a job runs on its flow's stream. The submitter names what the job must come after:
+events recorded where the job's inputs were last written, and where its outputs were last read (`after`); the
+stream waits on them before the job starts. Nothing rests on the stream that happens to be current at submit
+(inside DeepSpeed's hooks that is one of DeepSpeed's side streams, not compute). When the job ends an event is
+recorded on its stream; every `Pending.wait` makes the waiting stream wait on it, also when the job's host
+function has already returned (on the device that only means its kernels are enqueued). On CPU the collectives
+are synchronous inside the job, so a completed job means the data is ready.
 
-`InlineRunner` has the same interface and runs each job at once on the caller's thread (`async_comm: false`):
-the same collectives, the same order, the same arithmetic.
+`InlineRunner` has the same interface and runs each job at once on the caller's thread (`async_comm: false`),
+on the same stream and with the same events: the same collectives, the same order, the same arithmetic.
 """
 
 from __future__ import annotations
@@ -22,17 +24,16 @@ import threading
 import time
 from typing import Callable, Optional
 
-import torch
-
 from ..accounting import ledger
 from ..errors import CommThreadError, CommTimeoutError
+from ..platform import streams
 
 _STOP = object()
 
 
 class Pending:
     """One submitted job. `wait()` blocks until it is done (at most `timeout` seconds), re-raises its failure on
-    the waiting thread, and makes the waiting thread's CUDA stream wait for its result."""
+    the waiting thread, and makes the waiting thread's stream wait for its result."""
 
     def __init__(self, what: str, group: str, timeout: float, diagnose: Optional[Callable[[], Optional[str]]] = None):
         self.what, self.group, self.timeout = what, group, timeout
@@ -54,7 +55,17 @@ class Pending:
         self.value, self.error, self.done_event = value, error, done_event
         self._done.set()
 
-    def wait(self):
+    def wait(self, also=()):
+        """The job's value, once done. The current stream (and each stream in `also`) waits on the job's event,
+        whether or not the job was done already: host done is not device done."""
+        self.wait_host()
+        streams.wait(self.done_event)
+        for stream in also:
+            streams.wait(self.done_event, stream)
+        return self.value
+
+    def wait_host(self):
+        """Block until the job's host function has returned (its failure re-raised); orders no stream."""
         if not self._done.is_set():
             started = time.perf_counter()
             finished = self._done.wait(self.timeout)
@@ -67,8 +78,6 @@ class Pending:
             raise CommThreadError(f"{self.what} on process group '{self.group}' failed on a communication thread "
                                   f"({self._cause('no peer rank is known to be lost')}): "
                                   f"{type(self.error).__name__}: {self.error}") from self.error
-        if self.done_event is not None:
-            torch.cuda.current_stream().wait_event(self.done_event)
         return self.value
 
 
@@ -90,7 +99,8 @@ class CommThread:
     def is_async(self) -> bool:
         return True
 
-    def submit(self, job: Callable[[], object], what: str, group: str) -> Pending:
+    def submit(self, job: Callable[[], object], what: str, group: str, after=()) -> Pending:
+        """Queue `job`; its stream first waits on the events in `after` (None entries skipped)."""
         if self._failure is not None:
             lost = self.diagnose() if self.diagnose is not None else None
             raise CommThreadError(f"the '{self.name}' communication thread failed earlier; {what} was not issued "
@@ -99,44 +109,29 @@ class CommThread:
         if not self._thread.is_alive():
             raise CommThreadError(f"the '{self.name}' communication thread is stopped; {what} was not issued")
         pending = Pending(what, group, self.timeout, self.diagnose)
-        ready = None
-        if self.stream is not None:
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream())
-        self._queue.put((job, pending, ready))
+        self._queue.put((job, pending, list(after)))
         return pending
 
     def _run(self) -> None:
-        context = torch.cuda.stream(self.stream) if self.stream is not None else None
-        if context is not None:
-            context.__enter__()
-        try:
+        with streams.use(self.stream):
             while True:
                 item = self._queue.get()
                 if item is _STOP:
                     return
-                job, pending, ready = item
+                job, pending, after = item
                 if self._failure is not None:
                     pending.finish(error=self._failure)
                     continue
-                if ready is not None:
-                    self.stream.wait_event(ready)
                 started = time.perf_counter()
                 try:
+                    streams.wait(after, self.stream)
                     value = job()
-                    done = None
-                    if self.stream is not None:
-                        done = torch.cuda.Event()
-                        done.record(self.stream)
-                    pending.finish(value=value, done_event=done)
+                    pending.finish(value=value, done_event=streams.record(self.stream))
                 except BaseException as error:  # noqa: BLE001 - handed to the training thread, with its traceback
                     self._failure = error
                     pending.finish(error=error)
                 finally:
                     self.busy_s += time.perf_counter() - started
-        finally:
-            if context is not None:
-                context.__exit__(None, None, None)
 
     def stop(self, timeout: float = 10.0) -> bool:
         """Let the queued jobs finish, then end the thread; True when it ended within `timeout`."""
@@ -147,23 +142,27 @@ class CommThread:
 
 
 class InlineRunner:
-    """`async_comm: false`: every job runs at once on the submitting thread."""
+    """`async_comm: false`: every job runs at once on the submitting thread, on the flow's stream."""
 
-    def __init__(self, name: str, timeout: float):
+    def __init__(self, name: str, timeout: float, stream=None):
         self.name = name
         self.timeout = timeout
         self.busy_s = 0.0
-        self.stream = None
+        self.stream = stream
 
     @property
     def is_async(self) -> bool:
         return False
 
-    def submit(self, job: Callable[[], object], what: str, group: str) -> Pending:
+    def submit(self, job: Callable[[], object], what: str, group: str, after=()) -> Pending:
+        """Run `job` now, on the flow's stream, after the events in `after` (None entries skipped)."""
         pending = Pending(what, group, self.timeout)
         started = time.perf_counter()
         try:
-            pending.finish(value=job())
+            with streams.use(self.stream):
+                streams.wait(list(after), self.stream)
+                value = job()
+            pending.finish(value=value, done_event=streams.record(self.stream))
         finally:
             self.busy_s += time.perf_counter() - started
         return pending

@@ -7,9 +7,10 @@ Three communication threads, one per flow of a step, so that one flow never wait
 * `boundary`: the once-per-step cross-node work (gradient sum into the owners, optimizer-replica all-reduce,
   parameter refresh), overlapped with the last backward and the next forward.
 
-Each issues only on its own process groups (`platform.process_groups.OWNER`). On CUDA each has its own stream,
-so its collectives and copies run beside compute; events order them (see `comm_thread`). With
-`async_comm: false` the three are inline runners on the training thread: the same jobs, in the same order.
+Each issues only on its own process groups (`platform.process_groups.OWNER`). On a device with streams each
+has its own stream, at high priority, so its collectives and copies run beside compute; events order them (see
+`comm_thread`). With `async_comm: false` the three are inline runners on the training thread: the same jobs, in
+the same order, on the same streams.
 
 A context registers itself for interpreter exit, so that a run that never calls `engine.destroy()` still stops
 its threads instead of leaving them behind.
@@ -19,8 +20,8 @@ from __future__ import annotations
 
 import atexit
 import weakref
-import torch
 
+from ..platform import streams
 from .comm_thread import CommThread, InlineRunner
 from .peer_monitor import PeerMonitor
 
@@ -32,17 +33,16 @@ _LIVE: "weakref.WeakSet[CommContext]" = weakref.WeakSet()
 class CommContext:
     def __init__(self, async_comm: bool, timeout_s: float, device, rank: int, world: int):
         self.async_comm = async_comm
-        cuda = torch.device(device).type == "cuda"
         self.runners = {}
         self.monitor = PeerMonitor(rank, world)
         for flow in FLOWS:
+            # A stream per flow: its copies and collectives are ordered against other streams only through the
+            # events its jobs name, never through a shared stream.
+            stream = streams.new_stream(device)
             if async_comm:
-                # A stream per thread: the thread's copies and collectives are ordered after compute only
-                # through the events recorded at submit time, never through a shared stream.
-                stream = torch.cuda.Stream(device=device) if cuda else None
                 self.runners[flow] = CommThread(flow, timeout_s, stream, diagnose=self.monitor.explain)
             else:
-                self.runners[flow] = InlineRunner(flow, timeout_s)
+                self.runners[flow] = InlineRunner(flow, timeout_s, stream)
         self.monitor.start()
         _LIVE.add(self)
 

@@ -7,17 +7,23 @@ collective and the caching allocator never fragments. `allocations` counts misse
 A buffer is handed out again only when nothing else still references its storage: a view a module kept of a
 weight (an autograd-saved `weight.t()`) must not be overwritten by another parameter. Buffers are taken and
 given back on the training thread, in program order (the gather job only fills them), so the pool's growth
-does not depend on thread timing; on CUDA the filling job's stream waits on an event recorded on the compute
-stream when the job was submitted, after the release, so the overwrite is ordered after the last read without
-`record_stream`.
+does not depend on thread timing.
+
+On a device with streams, the releaser hands in events recorded where the buffer's last readers ran (compute,
+for a published parameter), at release; `acquire` returns them, and the stream that writes the buffer next
+waits on them. The pool owns its memory, so `record_stream` would order nothing here. A buffer that was still
+referenced when released (a saved view, read again in backward) gets a fresh event on the readers' stream when
+it is handed out: by then the view is gone, and every read of it is enqueued before that point.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Dict, List, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
+
+from ..platform import streams
 
 
 def _storage_users(tensor: torch.Tensor) -> int:
@@ -31,29 +37,36 @@ def _storage_users(tensor: torch.Tensor) -> int:
 
 class BufferPool:
     def __init__(self):
-        self._free: Dict[Tuple[int, torch.dtype, str], List[torch.Tensor]] = {}
+        # key -> [(buffer, events of its last readers, referenced elsewhere when released)]
+        self._free: Dict[Tuple[int, torch.dtype, str], List[tuple]] = {}
         self._lock = threading.Lock()
         self.allocations = 0
 
-    def acquire(self, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
+    def acquire(self, numel: int, dtype: torch.dtype, device, readers_stream=None) -> Tuple[torch.Tensor, list]:
+        """A free buffer and the events its next writer waits on. `readers_stream`: where readers of a buffer
+        that was still referenced at release run (an event is recorded there now)."""
         key = (int(numel), dtype, str(torch.device(device)))
         with self._lock:
             candidates = self._free.get(key, [])
-            for i, buffer in enumerate(candidates):
+            for i, (buffer, events, referenced) in enumerate(candidates):
                 if _storage_users(buffer) == 0:
                     del candidates[i]
                     break
             else:
                 buffer = None
         if buffer is not None:
-            return buffer
+            if referenced:
+                events = events + [streams.record(readers_stream)]
+            return buffer, events
         self.allocations += 1
-        return torch.empty(numel, dtype=dtype, device=device)
+        return torch.empty(numel, dtype=dtype, device=device), []
 
-    def release(self, buffer: torch.Tensor) -> None:
+    def release(self, buffer: torch.Tensor, events: Sequence = ()) -> None:
+        """Give `buffer` back; `events` were recorded where its last readers (or its last writer) ran."""
         key = (buffer.numel(), buffer.dtype, str(buffer.device))
+        entry = (buffer, [e for e in events if e is not None], _storage_users(buffer) > 0)
         with self._lock:
-            self._free.setdefault(key, []).append(buffer)
+            self._free.setdefault(key, []).append(entry)
 
     def clear(self) -> None:
         with self._lock:

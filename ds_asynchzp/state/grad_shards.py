@@ -58,6 +58,7 @@ class GradShards:
                 "window) before the next backward")
         if self.window is Window.EMPTY and not self.carries_previous:
             self.buffer.own.zero_()
+            self.buffer.note_host_access()
         self.window = Window.ACCUMULATING
 
     def end_step(self) -> None:
@@ -67,11 +68,13 @@ class GradShards:
             self.buffer.data[:own].zero_()
         if own + 1 < self.buffer.rows:
             self.buffer.data[own + 1:].zero_()
+        self.buffer.note_host_access()
         self.window = Window.EMPTY
 
     def discard(self) -> None:
         """A window thrown away with zero_grad(): nothing of it reaches the next step."""
         self.buffer.data.zero_()
+        self.buffer.note_host_access()
         self.window = Window.EMPTY
 
     def nbytes(self) -> int:

@@ -48,6 +48,8 @@ class ParamShards:
         atoms, so every row of every shard, refreshed from its owner, holds zeros there."""
         for view in self._padding:
             view.zero_()
+        for buffer in self.buffers:
+            buffer.note_host_access()
 
     def adopt_trainable(self, params_in_flat_order: Sequence[torch.nn.Parameter]) -> ShardedBuffer:
         """Take over Stage 3's partitions of these parameters: their contents become the own row of a new shard
@@ -101,6 +103,7 @@ class ParamShards:
                 if count:
                     atoms[t, :count].copy_(flat[start:start + count])
                 atoms[t, count:].zero_()
+        self.buffer_of(param).note_host_access()
 
     def nbytes(self) -> int:
         return sum(b.nbytes() for b in self.buffers)

@@ -4,6 +4,11 @@ The buffer is a [rows, columns] matrix. Column range [offset, offset + atom) bel
 size: DeepSpeed's partition size), and row t holds atom number `atoms[t]` of every parameter in it. One row is
 the rank's own atom of every parameter; DeepSpeed's own flat partition buffer is a view of that row, so the
 state exists once.
+
+A buffer also keeps, per stream, an event recorded after the training thread's latest access to it on that
+stream (`note_host_access`): the optimizer's step into the own row, a checkpoint load, zeroing. Every
+communication job that touches the buffer waits on them (`host_events`), whatever the layout: nothing else
+would order the job's stream after those kernels.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from dataclasses import dataclass
 from typing import Dict, Iterator, Sequence, Tuple
 
 import torch
+
+from ..platform import streams
 
 
 @dataclass(frozen=True)
@@ -35,6 +42,19 @@ class ShardedBuffer:
             offset += atom
         self.width = offset
         self.data = torch.zeros(rows, max(offset, 0), dtype=dtype, device=device)
+        self._host_events: Dict[int, tuple] = {}   # id(stream) -> (stream, event after the latest access there)
+        self.note_host_access()
+
+    # ------------------------------------------------------------------------ ordering on the device
+    def note_host_access(self) -> None:
+        """The calling (training) thread has just enqueued reads or writes of this buffer on its current stream."""
+        stream = streams.current()
+        if stream is not None:
+            self._host_events[id(stream)] = (stream, streams.record(stream))
+
+    def host_events(self) -> list:
+        """What a communication job touching this buffer waits on (empty where there are no streams)."""
+        return [event for _, event in self._host_events.values()]
 
     # ---------------------------------------------------------------------------------- views
     @property
