@@ -57,6 +57,7 @@ def ds_config(case: dict) -> dict:
         config["fp16"] = {"enabled": True, "initial_scale_power": 8}
     if case.get("async_hzp") is not None:
         config["async_hzp"] = case["async_hzp"]
+    config.update(case.get("ds_extra", {}))
     if case.get("autoep_size"):
         from ds_asynchzp.bench.moe_model import autoep_config
         config["expert_parallel"] = autoep_config(case["autoep_size"])
@@ -250,6 +251,26 @@ def _sequences_by_communicator(mark: int) -> dict:
     return by_group
 
 
+def edit_a_weight(engine, rank: int) -> None:
+    """A user edits a weight in place on rank 0 (stock semantics: the partitions follow the broadcast)."""
+    weight = engine.module.blocks[0].mlp.fc.weight
+    with deepspeed.zero.GatheredParameters([weight], modifier_rank=0):
+        if rank == 0:
+            weight.data.mul_(0.5)
+
+
+def train_step(engine, case: dict, step: int, rank: int, world: int) -> float:
+    """One optimizer step of `case` (its `gas` micro-steps on the seeded data); the mean micro-step loss."""
+    total = 0.0
+    for micro in range(case["gas"]):
+        x, y = batch_for(step, micro, rank, world, case.get("micro_batch", 2), case.get("seq_len", 32), seed=11)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        total += loss.item()
+    return total / case["gas"]
+
+
 def train_case(case: dict) -> dict:
     rank, world = deepspeed.comm.get_rank(), deepspeed.comm.get_world_size()
     engine = _build_engine(case)
@@ -264,11 +285,7 @@ def train_case(case: dict) -> dict:
     case_mark = ledger.mark()
     for step in range(case["steps"]):
         if step == case.get("modify_at"):
-            # A user edits a weight in place on rank 0 (stock semantics: the partitions follow the broadcast).
-            weight = engine.module.blocks[0].mlp.fc.weight
-            with deepspeed.zero.GatheredParameters([weight], modifier_rank=0):
-                if rank == 0:
-                    weight.data.mul_(0.5)
+            edit_a_weight(engine, rank)
         if step == case.get("discard_backward_at"):
             # A backward whose gradients the user throws away: nothing of it may reach the next step.
             x, y = batch_for(step + 1000, 0, rank, world, case.get("micro_batch", 2), case.get("seq_len", 32), seed=11)
@@ -352,14 +369,7 @@ def train_case(case: dict) -> dict:
         engine, *_ = deepspeed.initialize(model=module, model_parameters=[p for p in module.parameters()
                                                                           if p.requires_grad], config=stock_config)
         for step in range(case["steps"], case["steps"] + case["then_stock_steps"]):
-            total = 0.0
-            for micro in range(case["gas"]):
-                x, y = batch_for(step, micro, rank, world, case.get("micro_batch", 2), case.get("seq_len", 32), seed=11)
-                loss = engine(x, y)
-                engine.backward(loss)
-                engine.step()
-                total += loss.item()
-            losses.append(total / case["gas"])
+            losses.append(train_step(engine, case, step, rank, world))
     result = {
         "largest_param_elements": max(_padded(p.ds_numel, world) for p in engine.module.parameters()),
         "losses": losses,

@@ -1,0 +1,113 @@
+"""Rank-side code of the stream-model tests: train cases with DeepSpeed's accelerator replaced by the stream model
+(`tests/stream_model.py`), optionally with one of the device-ordering fixes taken out (`planted`), and report
+what the model found.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import time
+
+import deepspeed
+
+from tests._dist_workers import WORLD_TIMEOUT_S, _build_engine, edit_a_weight, train_step
+from tests.stream_model import StreamModel
+
+# DeepSpeed's throughput timer synchronises the device at every forward and step from the third step on, which
+# hides races across a step boundary; GPU users turn it off to overlap, and so does the model.
+UNSYNCHRONIZED_TIMERS = {"timers": {"throughput": {"enabled": True, "synchronized": False}}}
+
+
+@contextlib.contextmanager
+def planted(fault):
+    """Take out one of the waits that order the device (the fixes of the CUDA-ordering findings), to show that
+    the model reports its absence."""
+    from ds_asynchzp.comm.step_boundary import StepBoundary
+    from ds_asynchzp.platform import streams
+    from ds_asynchzp.runtime.optimizer import HierarchicalZeroOptimizer
+    from ds_asynchzp.state.buffer_pool import BufferPool
+    from ds_asynchzp.state.sharded_buffer import ShardedBuffer
+
+    saved = []
+
+    def patch(owner, name, value):
+        saved.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+
+    if fault == "release_events":
+        # 1: a gathered parameter's buffer goes back to the pool with no event of its last readers.
+        release = BufferPool.release
+
+        def release_without_events(self, buffer, events=()):
+            release(self, buffer, [])
+            entries = self._free[(buffer.numel(), buffer.dtype, str(buffer.device))]
+            entries[-1] = (entries[-1][0], [], False)
+        patch(BufferPool, "release", release_without_events)
+    elif fault == "grad_keep_alive":
+        # 2: the gradient autograd made is dropped without record_stream.
+        patch(streams, "keep_alive", lambda tensor, stream=None: None)
+    elif fault == "host_done":
+        # 3: a refresh job done on the host is taken as done on the device (no event wait).
+        refresh_waits = StepBoundary.refresh_waits
+
+        class HostOnly:
+            def __init__(self, job):
+                self.job = job
+
+            def wait(self, also=()):
+                return self.job.wait_host()
+        patch(StepBoundary, "refresh_waits", lambda self, params: [HostOnly(j) for j in refresh_waits(self, params)])
+    elif fault == "host_writes":
+        # 4: the training thread's writes into the shards (the step's, a load's) record nothing.
+        patch(ShardedBuffer, "host_events", lambda self: [])
+    elif fault == "overflow_order":
+        # 5: the fp16 overflow check's side stream is not ordered after our gradient writes.
+        patch(HierarchicalZeroOptimizer, "_hzp_order_overflow_check", lambda self: None)
+    elif fault:
+        raise ValueError(f"unknown planted fault {fault!r}")
+    try:
+        yield
+    finally:
+        for owner, name, value in reversed(saved):
+            setattr(owner, name, value)
+
+
+def _train(case: dict) -> list:
+    rank, world = deepspeed.comm.get_rank(), deepspeed.comm.get_world_size()
+    engine = _build_engine(dict(case, ds_extra=dict(UNSYNCHRONIZED_TIMERS, **case.get("ds_extra", {}))))
+    losses = []
+    for step in range(case["steps"]):
+        if step == case.get("modify_at"):
+            edit_a_weight(engine, rank)
+        losses.append(train_step(engine, case, step, rank, world))
+    engine.destroy()
+    return losses
+
+
+def run_model_cases(payload: dict) -> dict:
+    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=WORLD_TIMEOUT_S))
+    results = {}
+    for case in payload["cases"]:
+        started = time.perf_counter()
+        if case.get("no_model"):
+            results[case["name"]] = {"losses": _train(case), "violations": [], "kinds": [], "stats": None}
+            print(f"case {case['name']} (no model): {time.perf_counter() - started:.1f} s", flush=True)
+            continue
+        model = StreamModel().install()
+        try:
+            with planted(case.get("plant")):
+                losses = _train(case)
+        finally:
+            violations = model.finish()
+            model.uninstall()
+        results[case["name"]] = {"losses": losses, "violations": [str(v) for v in violations],
+                                 "kinds": sorted({v.kind for v in violations}), "stats": dict(model.stats)}
+        print(f"case {case['name']}: {len(violations)} violations, {model.stats['kernels']} kernels, "
+              f"{time.perf_counter() - started:.1f} s", flush=True)
+        for violation in violations[:20]:
+            print(f"  {violation}", flush=True)
+    results["rank"] = int(os.environ["RANK"])
+    deepspeed.comm.barrier()
+    return results
