@@ -396,6 +396,12 @@ def train_case(case: dict) -> dict:
     }
     result["final_params"] = _full_params(engine)
     engine.destroy()
+    logger = deepspeed.comm.comms_logger
+    if logger.enabled:
+        # What DeepSpeed's comms logger recorded; it is process-wide, so it is turned off for the next case.
+        result["comms_logged_ops"] = sorted(logger.get_operation_names())
+        logger.enabled = False
+        logger.reset_data()
     return result
 
 

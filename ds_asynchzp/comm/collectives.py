@@ -1,11 +1,17 @@
-"""The collectives the hierarchical layout issues, all through `deepspeed.comm`, into caller-owned outputs.
+"""The collectives the hierarchical layout issues, into caller-owned outputs.
 
-Going through `deepspeed.comm` (not `torch.distributed`) keeps every byte visible to the communication
-ledger and to DeepSpeed's comms logger. Each collective is issued by the one thread that owns its group
-(`platform.process_groups.OWNER`); `delay_injection` can wrap each one in a test-only delay. Every function takes a `Group` record and the output tensor the
-caller allocated (from a reusable scratch buffer), and returns a work handle (`None` for a one-rank group,
-which never communicates: it degenerates to a local copy). There is no point-to-point anywhere: on NCCL a
-lone send/recv pair creates a communicator per rank pair, and a cycle of them deadlocks.
+Every call goes to the backend object that `deepspeed.comm`'s functions end in (`comm_backend()`), which the
+communication ledger wraps, so every byte is counted; not through `deepspeed.comm`'s functions themselves:
+with DeepSpeed's `comms_logger` on, those share one set of timers across threads (two threads gathering at
+once trip its assertion), synchronise the whole device after every collective (inside a communication thread
+that stalls compute and can deadlock against another thread's collective) and end the process with status 0
+for an operation name the logger does not know. The ledger times ours instead.
+
+Each collective is issued by the one thread that owns its group (`platform.process_groups.OWNER`);
+`delay_injection` can wrap each one in a test-only delay. Every function takes a `Group` record and the output
+tensor the caller allocated (from a reusable scratch buffer), and returns a work handle (`None` for a one-rank
+group, which never communicates: it degenerates to a local copy). There is no point-to-point anywhere: on NCCL
+a lone send/recv pair creates a communicator per rank pair, and a cycle of them deadlocks.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from typing import Optional
 import torch
 
 from ..accounting import ledger
-from ..platform.deepspeed_internals import backend_name, ds_comm
+from ..platform.deepspeed_internals import backend_name, comm_backend, ds_comm
 from ..platform.process_groups import Group
 from . import delay_injection
 
@@ -57,7 +63,8 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: boo
         if out.data_ptr() != inp.data_ptr():
             out.copy_(inp.view(-1))
         return Work()
-    return _issue(ds_comm.all_gather_into_tensor, out, inp, group=group.handle, async_op=async_op)
+    return _issue(comm_backend().all_gather_into_tensor, output_tensor=out, input_tensor=inp, group=group.handle,
+                  async_op=async_op)
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False) -> Work:
@@ -65,14 +72,14 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op:
     if group.size == 1:
         out.copy_(inp.view(-1))
         return Work()
-    return _issue(ds_comm.reduce_scatter_tensor, out, inp, op=ds_comm.ReduceOp.SUM, group=group.handle,
-                  async_op=async_op)
+    return _issue(comm_backend().reduce_scatter_tensor, output_tensor=out, input_tensor=inp, op=ds_comm.ReduceOp.SUM,
+                  group=group.handle, async_op=async_op)
 
 
 def all_reduce(tensor: torch.Tensor, group: Group, async_op: bool = False) -> Work:
     if group.size == 1:
         return Work()
-    return _issue(ds_comm.all_reduce, tensor, op=ds_comm.ReduceOp.SUM, group=group.handle, async_op=async_op)
+    return _issue(comm_backend().all_reduce, tensor, op=ds_comm.ReduceOp.SUM, group=group.handle, async_op=async_op)
 
 
 def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False) -> Work:
@@ -80,14 +87,14 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: boo
     if group.size == 1:
         out.copy_(inp)
         return Work()
-    return _issue(ds_comm.all_to_all_single, out, inp, group=group.handle, async_op=async_op)
+    return _issue(comm_backend().all_to_all_single, output=out, input=inp, group=group.handle, async_op=async_op)
 
 
 def broadcast(tensor: torch.Tensor, group: Group, src_index: int = 0) -> Work:
     """Every member receives member `src_index`'s `tensor`."""
     if group.size == 1:
         return Work()
-    return _issue(ds_comm.broadcast, tensor, src=group.ranks[src_index], group=group.handle)
+    return _issue(comm_backend().broadcast, tensor=tensor, src=group.ranks[src_index], group=group.handle)
 
 
 def backend_reduce_scatter_is_optimal(group: Group) -> bool:

@@ -27,8 +27,9 @@ from typing import Dict, List, Tuple
 
 from ..errors import AsyncHZPConfigError
 from ..layout import HierarchicalLayout, expert_layout, members_per_node
-from ..platform.deepspeed_internals import (AUTOEP_EXPERT_FAMILY, REPLICATED_FAMILY, ds_comm, expert_data_parallel_group,
-                                  expert_group_name, group_ranks, placement_family, resolved_partition_group)
+from ..platform.deepspeed_internals import (AUTOEP_EXPERT_FAMILY, REPLICATED_FAMILY, comm_backend, ds_comm,
+                                           expert_data_parallel_group, expert_group_name, group_ranks,
+                                           placement_family, resolved_partition_group)
 
 DENSE = "dense"
 
@@ -111,7 +112,9 @@ def families_of(module, dp_handle, dense: HierarchicalLayout) -> List[Family]:
     # Every rank creates every group: learn the other ranks' EDP groups (each rank knows only its own).
     names = sorted(experts)
     gathered = [None] * ds_comm.get_world_size()
-    ds_comm.all_gather_object(gathered, {n: experts[n].dp_ranks for n in names})
+    # The backend's own call: through `deepspeed.comm` the comms logger ends the process (with status 0!) on an
+    # operation name it has no bandwidth formula for, and `all_gather_object` is one.
+    comm_backend().all_gather_object(gathered, {n: experts[n].dp_ranks for n in names})
     for n in names:
         experts[n].every_group = sorted({tuple(r[n]) for r in gathered})
     return [dense_family] + [experts[n] for n in names]
