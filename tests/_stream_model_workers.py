@@ -62,6 +62,15 @@ def planted(fault):
     elif fault == "host_writes":
         # 4: the training thread's writes into the shards (the step's, a load's) record nothing.
         patch(ShardedBuffer, "host_events", lambda self: [])
+    elif fault == "pool_miss_event":
+        # A new pool buffer, allocated on the current stream, written by the gather stream with no event.
+        acquire = BufferPool.acquire
+
+        def acquire_without_allocation_event(self, numel, dtype, device, readers_stream=None):
+            misses = self.allocations
+            buffer, events = acquire(self, numel, dtype, device, readers_stream)
+            return buffer, ([] if self.allocations > misses else events)
+        patch(BufferPool, "acquire", acquire_without_allocation_event)
     elif fault == "overflow_order":
         # 5: the fp16 overflow check's side stream is not ordered after our gradient writes.
         patch(HierarchicalZeroOptimizer, "_hzp_order_overflow_check", lambda self: None)

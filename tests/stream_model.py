@@ -13,7 +13,10 @@ DeepSpeed enters its own side streams exactly where it does on a GPU), and recor
 * every aten op, seen through a `TorchDispatchMode` pushed on every thread that runs device work, is a kernel on
   its thread's current stream. It reads its tensor arguments and writes the ones its schema marks written (for
   the c10d collectives, whose schemas mark nothing, a table says which); a freshly allocated output is an
-  allocation on that stream.
+  allocation on that stream, and counts as a write there (even `empty`): the block may have been freed on that
+  stream with kernels of its previous owner still queued.
+* `current_stream()` returns a new wrapper at every call, equal to the others of its stream but not the same
+  object, as CUDA's does.
 
 It then checks, per byte range of every storage: a read comes after the write that produced its contents; a
 write comes after every read and the write of the previous contents; and memory freed to the caching allocator
@@ -37,8 +40,6 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# Ops that allocate without writing (their contents are undefined until someone writes them).
-_ALLOCATE_ONLY = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted"}
 # c10d collectives: their schemas mark no argument as written. Index of the argument they write; the others
 # are read. A collective not listed reads and writes every tensor argument.
 _C10D_WRITES = {"_allgather_base_": 0, "allgather_": 0, "allgather_into_tensor_coalesced_": 0,
@@ -169,6 +170,14 @@ class FakeStream:
         self.model, self.name, self.priority = model, name, priority
         self.id = model._register_stream(self)
         self.clock: Dict[int, int] = {self.id: 0}
+        # What identifies a CUDA stream across its Python wrappers.
+        self.stream_id, self.device_index, self.device_type = self.id, 0, 1
+
+    def __eq__(self, other) -> bool:
+        return getattr(other, "stream_id", None) == self.stream_id
+
+    def __hash__(self) -> int:
+        return hash(self.stream_id)
 
     def wait_event(self, event) -> None:
         self.model._wait(self, event)
@@ -189,6 +198,30 @@ class FakeStream:
 
     def __repr__(self) -> str:
         return f"FakeStream({self.name})"
+
+
+class _Wrapper:
+    """What CUDA's `current_stream()` returns: a new Python object at every call, equal to (and hashing like) the
+    other wrappers of the same stream, but not the same object. Code that keys on `id()` or compares with `is`
+    breaks with it, on CUDA as here."""
+
+    def __init__(self, stream: FakeStream):
+        object.__setattr__(self, "_stream", stream)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._stream, name, value)
+
+    def __eq__(self, other) -> bool:
+        return self._stream == other
+
+    def __hash__(self) -> int:
+        return hash(self._stream)
+
+    def __repr__(self) -> str:
+        return f"wrapper of {self._stream!r}"
 
 
 class FakeEvent:
@@ -276,15 +309,20 @@ class StreamModel:
         with self._lock:
             return FakeStream(self, f"s{len(self._streams) + 1} made at {site}", priority)
 
-    def current(self) -> FakeStream:
+    def current(self) -> "_Wrapper":
+        """The calling thread's current stream, as a new wrapper (see `_Wrapper`)."""
         stack = getattr(self._local, "stack", None)
-        return stack[-1] if stack else self.default
+        return _Wrapper(stack[-1] if stack else self.default)
+
+    @staticmethod
+    def _unwrap(stream):
+        return stream._stream if isinstance(stream, _Wrapper) else stream
 
     def _push(self, stream) -> None:
         local = self._local
         if not hasattr(local, "stack"):
             local.stack, local.modes = [], []
-        stream = stream if stream is not None else self.current()
+        stream = self._unwrap(stream if stream is not None else self.current())
         local.stack.append(stream)
         thread = threading.current_thread()
         if thread is not threading.main_thread() and not getattr(stream, "thread_named", False):
@@ -372,11 +410,11 @@ class StreamModel:
                     args.append((argument.name, not writes, writes))
                 returns_alias = all(r.alias_info is not None for r in schema.returns)
             view_only = not any(w for _, _, w in args) and schema.returns and returns_alias
-            cached = self._schemas[func] = (args, view_only, base in _ALLOCATE_ONLY, f"{namespace}::{base}")
+            cached = self._schemas[func] = (args, view_only, f"{namespace}::{base}")
         return cached
 
     def _kernel(self, func, args, kwargs, result) -> None:
-        spec, view_only, allocate_only, name = self._schema(func)
+        spec, view_only, name = self._schema(func)
         if view_only:
             return
         with self._lock:
@@ -403,7 +441,11 @@ class StreamModel:
                 if id(tensor) in inputs:
                     continue
                 fresh = self._fresh(tensor, stream)
-                if fresh and not allocate_only:
+                if fresh:
+                    # An allocation counts as a write on the allocating stream even where it writes nothing
+                    # (`empty`): the caching allocator hands out a block freed on that stream at once, while
+                    # kernels of its previous owner may still be queued there, so a writer on another stream must
+                    # wait on an event recorded after the allocation.
                     self._access(tensor, stream, access, write=True)
             if isinstance(result, (bool, int, float)) and not isinstance(result, torch.Tensor):
                 self._host_sync(dict(stream.clock))     # .item(), .equal(): the host waited for the stream
@@ -541,7 +583,7 @@ class StreamModel:
                 return model.current()
 
             def default_stream(self, device_index=None):
-                return model.default
+                return _Wrapper(model.default)
 
             @property
             def Event(self):    # noqa: N802

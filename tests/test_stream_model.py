@@ -104,6 +104,36 @@ def test_record_stream_or_a_host_sync_keeps_freed_memory_safe(model):
     assert model.finish() == []
 
 
+def test_a_new_block_is_written_elsewhere_only_after_its_allocating_streams_earlier_kernels(model):
+    """The caching allocator hands out a block freed on a stream at once: a writer on another stream waits for an
+    event recorded on the allocating stream after the allocation."""
+    acc = _accelerator()
+    side = acc.Stream()
+    blocks = []                                 # kept: their frees are another check
+    for ordered in (True, False):
+        blocks.append(torch.empty(64))          # on compute
+        if ordered:
+            side.wait_event(acc.current_stream().record_event())
+        with acc.stream(side):
+            blocks[-1].fill_(1)
+        assert [v.kind for v in model.finish()] == ([] if ordered else ["write-after-write"])
+
+
+def test_host_events_stay_one_per_stream_though_each_current_stream_is_a_new_wrapper(model):
+    """CUDA's current_stream() returns a new Python object each time: a buffer keeps one event per stream, not
+    one per call (which would grow every step and make every job wait on all of them)."""
+    from ds_asynchzp.state.sharded_buffer import ShardedBuffer
+
+    acc = _accelerator()
+    assert acc.current_stream() is not acc.current_stream() and acc.current_stream() == acc.current_stream()
+    buffer = ShardedBuffer("probe", [], rows=2, own_row=0, dtype=torch.float32, device="cpu", atom_of=lambda p: 0)
+    for _ in range(5):
+        buffer.note_host_access()
+    with acc.stream(acc.Stream()):
+        buffer.note_host_access()
+    assert len(buffer.host_events()) == 2
+
+
 def test_host_order_between_threads_orders_no_stream(model):
     """A thread's job that returned has only enqueued its kernels: joining it is not a wait on its stream."""
     import threading
@@ -175,6 +205,8 @@ PLANTED = {
     "host_writes": (_case("plant_host_writes", zero=NO_PERSISTENCE,
                           async_hzp={"param_shard_size": 2, "grad_shard_size": 2, "optimizer_shard_size": 2}),
                     "read-after-write", "_reassign_or_swap_out_partitioned_parameters"),
+    # A new pool buffer (a miss) written by the gather stream before the allocating stream's earlier kernels.
+    "pool_miss_event": (_case("plant_pool_miss_event", zero=NO_PERSISTENCE), "write-after-", "unpack_gathered"),
     # 5: the fp16 overflow check reads the gradient partition on DeepSpeed's side stream, unordered.
     "overflow_order": (_case("plant_overflow_order", dtype="fp16", zero=NO_PERSISTENCE),
                        "read-after-write", "has_overflow"),

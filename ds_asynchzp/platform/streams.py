@@ -82,10 +82,26 @@ def keep_alive(tensor: Optional[torch.Tensor], stream=None) -> None:
     tensor.record_stream(stream if stream is not None else get_accelerator().current_stream())
 
 
+def synchronize(stream) -> None:
+    """Block the calling thread until `stream` has run everything enqueued on it (nothing where there are no
+    streams). Only for teardown: never on the critical path, never inside a communication thread."""
+    if stream is not None and has_streams():
+        stream.synchronize()
+
+
+def key(stream):
+    """What identifies `stream` on the device: the same for every Python wrapper of it (CUDA's current_stream()
+    returns a new wrapper at each call). A hashable value."""
+    if hasattr(stream, "stream_id") and hasattr(stream, "device_index"):
+        return (stream.device_type, stream.device_index, stream.stream_id)
+    return id(stream)
+
+
 def distinct(streams: Iterable) -> list:
-    """The streams, each once, in order (None dropped)."""
-    out = []
+    """The streams, each once (by `key`), in order (None dropped)."""
+    out, seen = [], set()
     for stream in streams:
-        if stream is not None and all(stream is not s for s in out):
+        if stream is not None and key(stream) not in seen:
+            seen.add(key(stream))
             out.append(stream)
     return out

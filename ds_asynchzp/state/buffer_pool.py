@@ -59,7 +59,11 @@ class BufferPool:
                 events = events + [streams.record(readers_stream)]
             return buffer, events
         self.allocations += 1
-        return torch.empty(numel, dtype=dtype, device=device), []
+        # A new block comes from the caching allocator of the current stream, which hands out memory freed on
+        # that stream at once, while kernels of its previous owner may still be queued there: the writer (another
+        # stream) waits for them.
+        buffer = torch.empty(numel, dtype=dtype, device=device)
+        return buffer, [streams.record()]
 
     def release(self, buffer: torch.Tensor, events: Sequence = ()) -> None:
         """Give `buffer` back; `events` were recorded where its last readers (or its last writer) ran."""

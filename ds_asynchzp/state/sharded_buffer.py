@@ -42,7 +42,9 @@ class ShardedBuffer:
             offset += atom
         self.width = offset
         self.data = torch.zeros(rows, max(offset, 0), dtype=dtype, device=device)
-        self._host_events: Dict[int, tuple] = {}   # id(stream) -> (stream, event after the latest access there)
+        # stream -> event after the latest access there. Keyed by the stream's identity on the device (streams
+        # compare equal by it), not by the Python object: CUDA hands out a new wrapper at every current_stream().
+        self._host_events: Dict[object, object] = {}
         self.note_host_access()
 
     # ------------------------------------------------------------------------ ordering on the device
@@ -50,11 +52,11 @@ class ShardedBuffer:
         """The calling (training) thread has just enqueued reads or writes of this buffer on its current stream."""
         stream = streams.current()
         if stream is not None:
-            self._host_events[id(stream)] = (stream, streams.record(stream))
+            self._host_events[streams.key(stream)] = streams.record(stream)
 
     def host_events(self) -> list:
         """What a communication job touching this buffer waits on (empty where there are no streams)."""
-        return [event for _, event in self._host_events.values()]
+        return list(self._host_events.values())
 
     # ---------------------------------------------------------------------------------- views
     @property
