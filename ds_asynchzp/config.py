@@ -140,6 +140,15 @@ class AsyncHZPConfig(BaseModel):
         description="Seconds any wait on a collective may take before the run ends with an error naming the "
         "collective and its group (instead of a hang).",
     )
+    issue_order: Literal["auto", "total", "per_thread"] = Field(
+        "auto",
+        description='The order in which the communication threads issue their collectives. "total": one order per '
+        "rank across all threads, decided by the order of submission on the training thread, the same on every "
+        "rank (NCCL requires it for communicators of one device driven from several threads; on a host where a "
+        "collective returns only when it has completed, as gloo on CPU, it also serializes the threads' jobs). "
+        '"per_thread": each thread issues in its own submission order, threads in any interleaving. "auto": '
+        '"total" on a device with streams (CUDA), "per_thread" on a synchronized device (CPU).',
+    )
     quantized_weights: bool = Field(
         False,
         description="Send the per-micro-step parameter all-gathers (inside the node) as INT8 blocks with one fp32 "
@@ -192,6 +201,7 @@ _FIELD_RULES = {
     "prefetch_depth": ("an integer >= 0", "set how many gathers may run ahead of compute, e.g. 2, or remove it."),
     "boundary_bucket_size": ("a positive integer or null", "set elements per cross-node chunk, or remove it."),
     "comm_timeout_s": ("a positive finite number", "set the seconds a collective may take, e.g. 300, or remove it."),
+    "issue_order": ('"auto", "total" or "per_thread"', 'use one of those strings, or remove it for "auto".'),
     "quantized_weights": ("true or false", "use a JSON boolean (true/false)."),
     "quantized_gradients": ("true or false", "use a JSON boolean (true/false)."),
     "quantize_cross_node": ("true or false", "use a JSON boolean (true/false)."),
@@ -274,6 +284,7 @@ class ResolvedLayout:
     prefetch_depth: int = 2
     boundary_bucket_size: Optional[int] = None
     comm_timeout_s: float = 300.0
+    issue_order: str = "auto"
     # Quantized communication (the async_hzp keys of the same names; `quantization_plan()` says which flows).
     quantized_weights: bool = False
     quantized_gradients: bool = False
@@ -565,6 +576,7 @@ def resolve_layout(
     return ResolvedLayout(world, node, world // node, d_p, d_g, d_o, log_layout=section.log_layout,
                           auto_reason=reason, async_comm=section.async_comm, prefetch_depth=section.prefetch_depth,
                           boundary_bucket_size=section.boundary_bucket_size, comm_timeout_s=section.comm_timeout_s,
+                          issue_order=section.issue_order,
                           quantized_weights=section.quantized_weights,
                           quantized_gradients=section.quantized_gradients,
                           quantize_cross_node=section.quantize_cross_node,

@@ -455,12 +455,14 @@ def run_cases(payload: dict) -> dict:
 
 
 def train_until_killed(payload: dict) -> dict:
-    """Train; the victim rank SIGKILLs itself in the middle of a step (after a forward, with gathers and
-    reductions in flight on the communication threads). The others must end on their own, naming it."""
+    """Train; the victim rank sends itself `payload["signal"]` (SIGKILL by default) in the middle of a step
+    (after a forward, with gathers and reductions in flight on the communication threads), having written the
+    time to `kill_time_file`. The others must end on their own, naming it."""
     import signal
 
     deepspeed.init_distributed(dist_backend="gloo")
-    case = {"name": "killed", "gas": 2, "steps": 50, "async_hzp": {"node_size": payload["node_size"]}}
+    hzp = {"node_size": payload["node_size"], **payload.get("async_hzp", {})}
+    case = {"name": "killed", "gas": 2, "steps": 50, "async_hzp": hzp}
     engine = _build_engine(case)
     rank, world = deepspeed.comm.get_rank(), deepspeed.comm.get_world_size()
     for step in range(case["steps"]):
@@ -470,7 +472,7 @@ def train_until_killed(payload: dict) -> dict:
             if step == 2 and micro == 1 and rank == payload["victim"]:
                 with open(payload["kill_time_file"], "w") as f:
                     f.write(str(time.time()))
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), getattr(signal, payload.get("signal", "SIGKILL")))
             engine.backward(loss)
             engine.step()
     return {"rank": rank, "survived": True}

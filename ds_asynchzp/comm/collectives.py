@@ -117,3 +117,24 @@ def scratch(pool: dict, key: str, numel: int, dtype: torch.dtype, device) -> tor
         pool[(key, dtype)] = buffer
         pool["allocations"] = pool.get("allocations", 0) + 1
     return buffer.narrow(0, 0, numel)
+
+
+def warm_up_groups(creation_order, device) -> None:
+    """One one-element all-reduce on each group this rank belongs to, on the calling (training) thread, in the
+    order the groups were created (the same on every rank, so no two ranks wait on each other in a cycle).
+
+    Where `torch.distributed` was initialised without `device_id`, NCCL creates a group's communicator at its
+    first collective; without this that would be on a communication thread, while other communicators' kernels
+    run, where `ncclCommInitRank` can deadlock. It also finds an unreachable peer at construction, naming the
+    group, rather than in the middle of a step."""
+    me = ds_comm.get_rank()
+    probe = torch.ones(1, dtype=torch.float32, device=device)
+    with ledger.tagged("group_warm_up"):
+        for handle, ranks, name in creation_order:
+            if me not in ranks:
+                continue
+            try:
+                comm_backend().all_reduce(probe, ds_comm.ReduceOp.SUM, handle, False)
+            except Exception as error:
+                raise RuntimeError(f"async_hzp: the first collective on process group '{name}' (global ranks "
+                                   f"{list(ranks)}) failed while the groups were being set up: {error}") from error

@@ -17,8 +17,11 @@ NCCL. The optimizer group is DeepSpeed's, used only by the training thread.
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
+
+import torch.distributed
 
 from ..layout import HierarchicalLayout
 from .deepspeed_internals import ds_comm
@@ -47,7 +50,7 @@ class ProcessGroups:
     param_refresh: Group = None               # once per step: all-gather of updated atoms (d_o / d_p ranks)
     grad_boundary: Group = None               # once per step: gradient sum into the owner (d_o / d_g ranks)
     outer_replica: Group = None               # once per step, d_o < N: all-reduce over optimizer replicas
-    created: List[object] = field(default_factory=list)
+    created: List[object] = field(default_factory=list)     # the handles this record created, to destroy
     member: bool = True                       # whether this rank belongs to the family these groups serve
 
     def destroy(self) -> None:
@@ -65,11 +68,18 @@ OWNER = {"param_shard": "gather", "grad_shard": "reduce", "optimizer": "training
 
 
 def build_process_groups(layout: HierarchicalLayout, dp_global_ranks: List[int], dp_handle,
-                         family: str = "") -> ProcessGroups:
+                         family: str = "", timeout_s: Optional[float] = None,
+                         creation_order: Optional[List[Tuple[object, Tuple[int, ...], str]]] = None) -> ProcessGroups:
     """Create every group of `layout`; `dp_global_ranks[i]` is the global rank of data-parallel rank i of the
     family (its layout's world). A rank outside `dp_global_ranks` still creates every group, since group
     creation is collective over the whole world; its record then has `member` false and no group of its own.
-    `family` prefixes the groups' names ("expert." for AutoEP's experts)."""
+    `family` prefixes the groups' names ("expert." for AutoEP's experts).
+
+    Each group gets `timeout_s` as its backend timeout (`comm_timeout_s`): on NCCL a host wait only times the
+    enqueue, so a peer that stops while alive is found by the backend's watchdog at the group's timeout, not at
+    the default 10 or 30 minutes. (handle, ranks, name) of each group made is appended to `creation_order`,
+    which is the same list on every rank, for `warm_up_groups`."""
+    timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
     me = ds_comm.get_rank()
     if len(dp_global_ranks) != layout.world:
         raise RuntimeError(f"async_hzp layout was resolved for a data-parallel world of {layout.world} ranks, but "
@@ -92,8 +102,11 @@ def build_process_groups(layout: HierarchicalLayout, dp_global_ranks: List[int],
                 elif (OWNER[name], ranks) in cache:
                     handle = cache[OWNER[name], ranks]
                 else:
-                    handle = cache[OWNER[name], ranks] = ds_comm.new_group(list(ranks))
+                    # torch's own call (DeepSpeed's new_group takes no timeout); the same group otherwise.
+                    handle = cache[OWNER[name], ranks] = torch.distributed.new_group(list(ranks), timeout=timeout)
                     groups.created.append(handle)
+                    if creation_order is not None:
+                        creation_order.append((handle, ranks, family + name))
             if me in ranks:
                 mine = Group(family + name, ranks, handle, ranks.index(me), layout.spans_nodes(list(dp_ranks)))
         return mine

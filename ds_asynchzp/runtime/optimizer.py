@@ -34,8 +34,9 @@ from typing import Dict, List, Optional
 
 import torch
 
+from .. import ops
 from ..accounting import ledger
-from ..comm.collectives import broadcast
+from ..comm.collectives import broadcast, warm_up_groups
 from ..comm.grad_reduce import GradReduce
 from ..comm.param_gather import GatherSource, ParamGather
 from ..comm.step_boundary import StepBoundary
@@ -94,6 +95,7 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         # Families are classified (and foreign partition groups refused) before Stage 3 partitions anything; every
         # group exists before Stage 3's constructor runs: it calls the hooks below, which need them.
         self.hzp_placements: List[Placement] = []
+        self._hzp_created_groups: list = []   # (handle, ranks, name) in creation order, the same on every rank
         for family in families_of(module, dp_handle, self.hzp_grid):
             self.hzp_placements.append(self._hzp_build_placement(family, layout))
         self.hzp_dense = self.hzp_placements[0]
@@ -115,8 +117,12 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             placement.shards.adopt_frozen(frozen)
         device = self.hzp_dense.trainable.data.device if self.hzp_dense.trainable is not None else \
             next(p.ds_tensor.device for p in module.parameters() if is_zero_param(p))
+        # Build (or load) the compiled ops now, on the training thread: a first build takes minutes on a small
+        # machine, and inside the first communication job it would count against that job's timeout.
+        ops.status(device)
+        warm_up_groups(self._hzp_created_groups, device)
         self.hzp_comm = CommContext(layout.async_comm, layout.comm_timeout_s, device, ds_comm.get_rank(),
-                                    ds_comm.get_world_size())
+                                    ds_comm.get_world_size(), layout.issue_order)
         self._hzp_param_names = {p.ds_id: name for name, p in module.named_parameters() if is_zero_param(p)}
         for placement in self.hzp_placements:
             self._hzp_build_flows(placement, layout, device)
@@ -144,7 +150,8 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         mine, others = None, []
         for ranks in family.every_group:
             handle = family.partition_handle if ranks == family.dp_ranks else None
-            groups = build_process_groups(family.layout, list(ranks), handle, family.group_prefix)
+            groups = build_process_groups(family.layout, list(ranks), handle, family.group_prefix,
+                                          layout.comm_timeout_s, self._hzp_created_groups)
             if groups.member:
                 mine = groups
             else:
@@ -498,6 +505,7 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             placement.groups.destroy()
             for groups in placement.other_groups:
                 groups.destroy()
+        self._hzp_created_groups.clear()
 
 
 setattr(HierarchicalZeroOptimizer, STAGE3_AVG_SCATTER_GRADS, HierarchicalZeroOptimizer._hzp_reduce_bucket)

@@ -2,8 +2,9 @@
 
 The training thread submits jobs in program order, which is the same on every rank, and each thread runs its
 jobs in submission order: so every rank issues the same collectives in the same order on every group, which is
-what gloo and NCCL match collectives by. A job that fails poisons its thread: the later jobs are not run (their
-collectives would no longer line up across ranks) and fail with the same error.
+what gloo and NCCL match collectives by. Across threads, a job starts issuing only at its turn in the rank's one
+issue order (`issue_order`), where that order is total. A job that fails poisons its thread: the later jobs are
+not run (their collectives would no longer line up across ranks) and fail with the same error.
 
 On a device with streams a job runs on its flow's stream. The submitter names what the job must come after:
 events recorded where the job's inputs were last written, and where its outputs were last read (`after`); the
@@ -27,6 +28,7 @@ from typing import Callable, Optional
 from ..accounting import ledger
 from ..errors import CommThreadError, CommTimeoutError
 from ..platform import streams
+from .issue_order import IssueOrder
 
 _STOP = object()
 
@@ -35,9 +37,11 @@ class Pending:
     """One submitted job. `wait()` blocks until it is done (at most `timeout` seconds), re-raises its failure on
     the waiting thread, and makes the waiting thread's stream wait for its result."""
 
-    def __init__(self, what: str, group: str, timeout: float, diagnose: Optional[Callable[[], Optional[str]]] = None):
-        self.what, self.group, self.timeout = what, group, timeout
-        self.diagnose = diagnose           # names a lost peer rank, when that is why a collective failed
+    def __init__(self, what: str, group: str, timeout: float, diagnose: Optional[Callable[..., Optional[str]]] = None,
+                 ticket: int = -1):
+        self.what, self.group, self.timeout, self.ticket = what, group, timeout, ticket
+        # Names a lost peer rank, when that is why a collective failed; else where every rank is in the order.
+        self.diagnose = diagnose
         self.value = None
         self.error: Optional[BaseException] = None
         self.done_event = None                 # CUDA event recorded after the job, or None
@@ -48,7 +52,7 @@ class Pending:
         return self._done.is_set()
 
     def _cause(self, otherwise: str) -> str:
-        lost = self.diagnose() if self.diagnose is not None else None
+        lost = self.diagnose(self.ticket) if self.diagnose is not None else None
         return lost or otherwise
 
     def finish(self, value=None, error: Optional[BaseException] = None, done_event=None) -> None:
@@ -84,9 +88,10 @@ class Pending:
 class CommThread:
     """A daemon thread running jobs in submission order; see the module docstring."""
 
-    def __init__(self, name: str, timeout: float, stream=None, diagnose=None):
+    def __init__(self, name: str, timeout: float, order: Optional[IssueOrder] = None, stream=None, diagnose=None):
         self.name = name
         self.timeout = timeout
+        self.order = order if order is not None else IssueOrder(total=False, timeout_s=timeout)
         self.stream = stream
         self.diagnose = diagnose
         self.busy_s = 0.0
@@ -108,7 +113,8 @@ class CommThread:
                                   f"{type(self._failure).__name__}: {self._failure}") from self._failure
         if not self._thread.is_alive():
             raise CommThreadError(f"the '{self.name}' communication thread is stopped; {what} was not issued")
-        pending = Pending(what, group, self.timeout, self.diagnose)
+        # The ticket is taken last: one taken by a job that never runs would hold up every later one.
+        pending = Pending(what, group, self.timeout, self.diagnose, self.order.ticket())
         self._queue.put((job, pending, list(after)))
         return pending
 
@@ -119,19 +125,27 @@ class CommThread:
                 if item is _STOP:
                     return
                 job, pending, after = item
-                if self._failure is not None:
-                    pending.finish(error=self._failure)
-                    continue
-                started = time.perf_counter()
                 try:
-                    streams.wait(after, self.stream)
-                    value = job()
-                    pending.finish(value=value, done_event=streams.record(self.stream))
-                except BaseException as error:  # noqa: BLE001 - handed to the training thread, with its traceback
-                    self._failure = error
+                    with self.order.turn(pending.ticket, self.name, pending.what, pending.group):
+                        self._run_one(job, pending, after)
+                except CommTimeoutError as error:    # its turn never came: it issued nothing
+                    self._failure = self._failure or error
                     pending.finish(error=error)
-                finally:
-                    self.busy_s += time.perf_counter() - started
+
+    def _run_one(self, job, pending: Pending, after) -> None:
+        if self._failure is not None:    # skipped: its collectives would no longer line up across ranks
+            pending.finish(error=self._failure)
+            return
+        started = time.perf_counter()
+        try:
+            streams.wait(after, self.stream)
+            value = job()
+            pending.finish(value=value, done_event=streams.record(self.stream))
+        except BaseException as error:  # noqa: BLE001 - handed to the training thread, with its traceback
+            self._failure = error
+            pending.finish(error=error)
+        finally:
+            self.busy_s += time.perf_counter() - started
 
     def stop(self, timeout: float = 10.0) -> bool:
         """Let the queued jobs finish, then end the thread; True when it ended within `timeout`."""
@@ -144,9 +158,10 @@ class CommThread:
 class InlineRunner:
     """`async_comm: false`: every job runs at once on the submitting thread, on the flow's stream."""
 
-    def __init__(self, name: str, timeout: float, stream=None):
+    def __init__(self, name: str, timeout: float, order: Optional[IssueOrder] = None, stream=None):
         self.name = name
         self.timeout = timeout
+        self.order = order if order is not None else IssueOrder(total=False, timeout_s=timeout)
         self.busy_s = 0.0
         self.stream = stream
 
@@ -156,10 +171,11 @@ class InlineRunner:
 
     def submit(self, job: Callable[[], object], what: str, group: str, after=()) -> Pending:
         """Run `job` now, on the flow's stream, after the events in `after` (None entries skipped)."""
-        pending = Pending(what, group, self.timeout)
+        pending = Pending(what, group, self.timeout, ticket=self.order.ticket())
         started = time.perf_counter()
         try:
-            with streams.use(self.stream):
+            # Every earlier job ran at its submit, so the turn is this job's at once.
+            with self.order.turn(pending.ticket, self.name, what, group), streams.use(self.stream):
                 streams.wait(list(after), self.stream)
                 value = job()
             pending.finish(value=value, done_event=streams.record(self.stream))

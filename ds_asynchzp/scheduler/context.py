@@ -12,6 +12,10 @@ has its own stream, at high priority, so its collectives and copies run beside c
 `comm_thread`). With `async_comm: false` the three are inline runners on the training thread: the same jobs, in
 the same order, on the same streams.
 
+Across the threads, collectives are issued in one order per rank, the same on every rank, where the device
+needs it (`issue_order`: by default on a device with streams). A context also closes cleanly: its threads
+finish their jobs, its streams are synchronised before the process groups can go.
+
 A context registers itself for interpreter exit, so that a run that never calls `engine.destroy()` still stops
 its threads instead of leaving them behind.
 """
@@ -19,10 +23,13 @@ its threads instead of leaving them behind.
 from __future__ import annotations
 
 import atexit
+import os
+import warnings
 import weakref
 
 from ..platform import streams
 from .comm_thread import CommThread, InlineRunner
+from .issue_order import IssueOrder
 from .peer_monitor import PeerMonitor
 
 FLOWS = ("gather", "reduce", "boundary")
@@ -31,18 +38,26 @@ _LIVE: "weakref.WeakSet[CommContext]" = weakref.WeakSet()
 
 
 class CommContext:
-    def __init__(self, async_comm: bool, timeout_s: float, device, rank: int, world: int):
+    def __init__(self, async_comm: bool, timeout_s: float, device, rank: int, world: int, issue_order: str = "auto"):
         self.async_comm = async_comm
         self.runners = {}
-        self.monitor = PeerMonitor(rank, world)
+        total = issue_order == "total" or (issue_order == "auto" and streams.has_streams())
+        if not total and streams.has_streams() and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+            warnings.warn("async_hzp.issue_order is 'per_thread' while CUDA_DEVICE_MAX_CONNECTIONS=1: every stream "
+                          "then shares one hardware queue, and collectives the threads issue in different orders on "
+                          "different ranks can deadlock. Remove issue_order (or set it to 'total').", RuntimeWarning,
+                          stacklevel=2)
+        self.order = IssueOrder(total, timeout_s)
+        self.monitor = PeerMonitor(rank, world, progress=self.order.snapshot)
         for flow in FLOWS:
             # A stream per flow: its copies and collectives are ordered against other streams only through the
             # events its jobs name, never through a shared stream.
             stream = streams.new_stream(device)
             if async_comm:
-                self.runners[flow] = CommThread(flow, timeout_s, stream, diagnose=self.monitor.explain)
+                self.runners[flow] = CommThread(flow, timeout_s, self.order, stream, diagnose=self.monitor.explain)
             else:
-                self.runners[flow] = InlineRunner(flow, timeout_s, stream)
+                self.runners[flow] = InlineRunner(flow, timeout_s, self.order, stream)
+        self.order.guard_backend()
         self.monitor.start()
         _LIVE.add(self)
 
@@ -62,9 +77,14 @@ class CommContext:
         return {flow: runner.busy_s for flow, runner in self.runners.items()}
 
     def close(self) -> None:
-        """Stop the threads (their queued jobs finish first) and the monitor. Idempotent."""
+        """Stop the threads (their queued jobs finish first), wait until each flow's stream has run what the jobs
+        enqueued (a job whose function returned has only enqueued its kernels: the process groups must not be
+        destroyed under them), and stop the monitor. Idempotent."""
         for runner in self.runners.values():
             runner.stop()
+        for runner in self.runners.values():
+            streams.synchronize(runner.stream)
+        self.order.release_backend()
         self.monitor.close()
         _LIVE.discard(self)
 

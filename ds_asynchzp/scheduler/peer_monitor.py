@@ -12,11 +12,18 @@ A launcher that stops the surviving ranks itself (the `deepspeed` launcher sends
 may do so before the next poll: a SIGTERM handler, chained to the one it replaces, checks the peers once and
 names the lost rank before the rank ends; closing the monitor puts the replaced handler back.
 
+A peer that is alive but stuck (stopped with SIGSTOP, hung in a kernel, or firing fewer hooks than its peers)
+is not lost: the waits of this rank time out instead (`comm_timeout_s`). To say where every rank is then, each
+rank publishes with its heartbeat the latest job it started in its issue order (`IssueOrder.snapshot`), and the
+rank that timed out names the ranks that have not reached the job it waits on, and those whose heartbeat has
+stopped.
+
 Setting DS_ASYNCHZP_PEER_MONITOR=0 turns it off.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -31,6 +38,7 @@ POLL_S = 0.5
 HEARTBEAT_EVERY = 4          # polls between heartbeat bumps (2 s)
 REMOTE_SILENCE_S = 20.0      # a remote peer whose heartbeat does not move this long is lost
 STORE_HOST_LINGER_S = 3.0    # rank 0 (the store host) waits this long after publishing a lost peer
+DIAGNOSIS_LINGER_S = 10.0    # rank 0 keeps the store up this long after its own timeout diagnosis
 _GENERATION = [0]            # engines made in this process so far: keys of one engine never mix with another's
 
 
@@ -55,8 +63,10 @@ def _pid_alive(pid: int) -> bool:
 
 
 class PeerMonitor:
-    def __init__(self, rank: int, world: int, exit_process=None):
+    def __init__(self, rank: int, world: int, exit_process=None, progress=None):
         self.rank, self.world = rank, world
+        self.progress = progress       # () -> this rank's position in its issue order, published with each poll
+        self._published = None
         self.store = _default_store()
         _GENERATION[0] += 1
         self.prefix = f"asynchzp/monitor/{_GENERATION[0]}"
@@ -74,6 +84,7 @@ class PeerMonitor:
             return
         self.store.set(f"{self.prefix}/peer/{self.rank}", f"{self.host}:{os.getpid()}")
         self.store.set(f"{self.prefix}/beat/{self.rank}", "0")
+        self._publish_progress()
         for peer in range(self.world):
             if peer != self.rank:
                 host, pid = self.store.get(f"{self.prefix}/peer/{peer}").decode().rsplit(":", 1)
@@ -125,9 +136,16 @@ class PeerMonitor:
                 return True
         return False
 
-    def explain(self, patience_s: float = 3.0):
-        """Why a collective failed, if a peer is gone: 'rank R was lost: ...' (also printed), else None. A peer
-        that was just killed may take a moment to be reaped, so this looks for up to `patience_s`."""
+    def explain(self, ticket: int = None, patience_s: float = 3.0):
+        """Why a collective failed, if a peer is gone: 'rank R was lost: ...' (also printed). A peer that was just
+        killed may take a moment to be reaped, so this looks for up to `patience_s`. Otherwise, for a job with a
+        `ticket` in the issue order, where every rank is (`whereabouts`), else None."""
+        lost = self._lost_peer(patience_s)
+        if lost is None and ticket is not None and ticket >= 0:
+            return self.whereabouts(ticket)
+        return lost
+
+    def _lost_peer(self, patience_s: float):
         if self.lost is None and self.peers:
             end = time.monotonic() + patience_s
             while time.monotonic() < end:
@@ -186,6 +204,7 @@ class PeerMonitor:
         while not self._stop.wait(POLL_S):
             polls += 1
             try:
+                self._publish_progress()      # every poll: a rank that stops leaves a fresh position behind
                 if polls % HEARTBEAT_EVERY == 0:
                     beats += 1
                     self.store.set(f"{self.prefix}/beat/{self.rank}", str(beats))
@@ -220,3 +239,57 @@ class PeerMonitor:
         if exit_now:
             self._linger_if_store_host()
             self._exit(1)
+
+    # ------------------------------------------------------------------------------- where every rank is
+    def _publish_progress(self) -> None:
+        """This rank's position in its issue order, written to the store when it changed."""
+        if self.progress is not None:
+            text = json.dumps(self.progress())
+            if text != self._published:
+                self.store.set(f"{self.prefix}/progress/{self.rank}", text)
+                self._published = text
+
+    def _read_peers(self) -> Dict[int, tuple]:
+        out = {}
+        for peer in self.peers:
+            beat = self.store.get(f"{self.prefix}/beat/{peer}")
+            key = f"{self.prefix}/progress/{peer}"
+            progress = json.loads(self.store.get(key).decode()) if self.store.check([key]) else None
+            out[peer] = (beat, progress)
+        return out
+
+    def whereabouts(self, ticket: int):
+        """For a wait on job `ticket` that timed out: which ranks have not started that job yet (with the last job
+        each did start), and which have stopped beating (a stopped or hung process). Takes one heartbeat period
+        and a poll, to tell a live rank from a silent one. None when the peers cannot be read."""
+        if not self.peers or self._thread is None:
+            return None
+        try:
+            before = self._read_peers()
+            time.sleep(HEARTBEAT_EVERY * POLL_S + POLL_S)
+            after = self._read_peers()
+        except Exception:  # noqa: BLE001 - the store went away
+            return ("the rendezvous store is unreachable, so where the other ranks are is unknown: the rank hosting "
+                    "it (MASTER_ADDR, usually rank 0) has probably ended first")
+        finally:
+            # Peers that time out a little later read this rank's store (rank 0 hosts it): stay that long.
+            if self.rank == 0:
+                time.sleep(DIAGNOSIS_LINGER_S)
+        behind, silent = [], []
+        for peer in sorted(after):
+            beat, progress = after[peer]
+            if beat == before[peer][0]:
+                silent.append(peer)
+            if progress is not None and progress["started"] < ticket:
+                behind.append(f"rank {peer} (last started {progress['what']}, as of its last report)")
+        mine = self.progress() if self.progress is not None else None
+        parts = [f"this rank waits on job #{ticket}" + (f" and last started {mine['what']}" if mine else "")]
+        if behind:
+            parts.append("ranks that have not reached it: " + ", ".join(behind))
+        if silent:
+            parts.append(f"no heartbeat for {HEARTBEAT_EVERY * POLL_S + POLL_S:.1f} s from rank(s) "
+                         f"{', '.join(map(str, silent))}: stopped (SIGSTOP, a debugger) or hung")
+        if not behind and not silent:
+            parts.append("every rank has started it and is alive: a collective inside it is stuck (a rank issued "
+                         "a different collective, or the network is down)")
+        return "; ".join(parts)
