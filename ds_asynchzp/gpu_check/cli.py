@@ -1,0 +1,276 @@
+"""asynchzp-gpu-check: on a machine with a CUDA GPU, check in minutes what no CPU test can, and write a report.
+
+    asynchzp-gpu-check [--out docs/benchmarks] [--steps 50] [--model small]
+
+1. **Ops**: every op of the package, compiled for CUDA, against its pure-torch reference (bit for bit), and
+   `asynchzp-ops-bench --device cuda` (bandwidth against a device copy and DeepSpeed's quantizer).
+2. **Training**, on the GPUs present, against stock ZeRO-3 (DeepSpeed's default ZeRO-3 knobs, `overlap_comm`
+   on, throughput timer unsynchronised): AsyncHZP with its threads, with `torch.cuda._sleep` after every
+   module's forward on the compute stream, must train to the losses of AsyncHZP synchronous (`async_comm:
+   false`, bit for bit) and of stock ZeRO-3 (relative 1e-6, fp32); the same run under
+   `TORCH_CUDA_SANITIZER=1` must report no unsynchronised access. Two or more GPUs: NCCL, one rank per GPU,
+   two ranks per node. One GPU: ranks that share it over gloo with CUDA tensors, as far as gloo supports them.
+3. **Memory**: reserved memory and the allocator's retries flat over the measured steps after warm-up.
+4. **Communication**: per step, busy time of each communication thread from CUDA events on its stream, and
+   step times (CUDA events) of the three arms.
+
+The report (`gpu-check-<date>-<device>.json` and `.md`, with the date, the commit and the device) goes to
+`--out`. Exit status 0 when every check passed, 1 when one failed, 2 when there is no CUDA device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from .report import verdict, write_report
+
+SANITIZER_MARK = "CSAN detected a possible data race"
+LOSS_RTOL = 1e-6
+
+
+def _commit() -> str:
+    try:
+        root = Path(__file__).resolve().parents[2]
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                             text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return out.stdout.strip() + ("+changes" if dirty else "") if out.returncode == 0 else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _device_info(cuda: bool) -> Dict:
+    import torch
+
+    if not cuda:
+        return {"name": "cpu (dry run)", "count": 0}
+    props = torch.cuda.get_device_properties(0)
+    return {"name": props.name, "count": torch.cuda.device_count(),
+            "memory_gib": round(props.total_memory / 2**30, 1), "capability": f"{props.major}.{props.minor}"}
+
+
+def _progress(message: str) -> None:
+    print(f"[asynchzp-gpu-check] {message}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------ ops
+def check_ops(device) -> Dict:
+    """Every op against its reference, small sizes: bit for bit (NaN payloads aside)."""
+    from ..ops import bench, builder
+
+    status = builder.status(device.type)
+    if not status.compiled:
+        return {"name": "ops against reference", "passed": False,
+                "summary": f"the compiled ops are not in use on {device.type}: {status}", "details": {}}
+    rows = bench.run(bench.OPS, list(bench.DTYPES), [bench.parse_size("64K")], device, min_time=0.01,
+                     backend=status.backend)
+    table = [{"op": r["op"], "dtype": r["dtype"], "max_abs_err": r["max_abs_err"]} for r in rows]
+    wrong = [f"{r['op']} {r['dtype']}" for r in rows if r["max_abs_err"] != 0]
+    return {"name": "ops against reference", "passed": not wrong,
+            "summary": f"{len(rows)} op/dtype pairs, " + (f"differ: {', '.join(wrong)}" if wrong else "all equal"),
+            "details": {"rows": table, "status": str(status)}}
+
+
+def bench_ops(device, sizes: List[str]) -> Dict:
+    from ..ops import bench
+
+    rows = bench.run(bench.OPS, list(bench.DTYPES), [bench.parse_size(s) for s in sizes], device, min_time=0.1)
+    module, reason = bench.deepspeed_quantizer(device)
+    rows += [bench.deepspeed_row(module, reason, bench.parse_size(s), device, 0.1) for s in sizes]
+    table = [{"op": r["op"], "dtype": r["dtype"], "size": bench.human(r["size_bytes"]), "GB/s": r["gbps"],
+              "copy GB/s": r["copy_gbps"], "ours / copy": (r["gbps"] / r["copy_gbps"]) if r["gbps"] and
+              r["copy_gbps"] else None, "note": r.get("note", "")} for r in rows]
+    return {"name": "ops bandwidth", "passed": None, "measured": True,
+            "summary": "bandwidth of each op against a device copy of the same bytes, and DeepSpeed's quantizer"
+                       + ("" if module is not None else f" ({reason})"), "details": {"rows": table}}
+
+
+# ------------------------------------------------------------------------------------------- training
+def _ds_config(arm: str, node_size: int, grad_accum: int, micro_batch: int) -> Dict:
+    config = {
+        "train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": grad_accum,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": 3},          # DeepSpeed's default ZeRO-3 knobs, overlap_comm on
+        "timers": {"throughput": {"enabled": True, "synchronized": False}},
+        "steps_per_print": 10**9,
+    }
+    if arm != "zero3":
+        config["async_hzp"] = {"node_size": node_size, "async_comm": arm != "sync", "log_layout": False}
+    return config
+
+
+def _arms(sanitizer: bool) -> List[str]:
+    return ["zero3", "sync", "async"] + (["sanitized"] if sanitizer else [])
+
+
+def run_training(args, cuda: bool, work: Path) -> List[Dict]:
+    """The arms, each in fresh rank processes; the checks on their results."""
+    import torch
+
+    from ..bench.launch import RankFailure, launch_local
+
+    gpus = torch.cuda.device_count() if cuda else 0
+    backend = "nccl" if gpus >= 2 else "gloo"
+    world = gpus if gpus >= 2 else args.ranks
+    node_size = 2 if world % 2 == 0 and world > 2 else world
+    base_env = {"DS_ACCELERATOR": "cuda" if cuda else "cpu"}
+    results, failures, sanitizer_reports = {}, {}, None
+    for arm in _arms(args.sanitizer and cuda):
+        payload = {"backend": backend, "model": args.model, "seed": 7, "ds_config":
+                   _ds_config("async" if arm == "sanitized" else arm, node_size, args.grad_accum, args.micro_batch),
+                   "warmup_steps": args.warmup, "steps": args.sanitizer_steps if arm == "sanitized" else args.steps,
+                   "grad_accum": args.grad_accum, "micro_batch": args.micro_batch, "seq_len": args.seq_len,
+                   "sleep_cycles": args.sleep_cycles if arm in ("async", "sanitized") else 0}
+        env = dict(base_env, **({"TORCH_CUDA_SANITIZER": "1"} if arm == "sanitized" else {}))
+        logs = work / arm
+        _progress(f"training arm '{arm}': {world} rank(s) over {backend}, {args.warmup}+{payload['steps']} steps")
+        started = time.monotonic()
+        try:
+            results[arm] = launch_local("ds_asynchzp.gpu_check.worker:run_arm", world, node_size, payload,
+                                        timeout_s=args.arm_timeout, workdir=str(logs), env=env)
+        except RankFailure as failure:
+            failures[arm] = str(failure).splitlines()[0][:400] + f" (logs: {failure.log_path})"
+        _progress(f"arm '{arm}' {'done' if arm in results else 'failed'} in {time.monotonic() - started:.0f} s")
+        if arm == "sanitized":
+            sanitizer_reports = [str(path) for path in sorted(logs.glob("rank*.log"))
+                                 if SANITIZER_MARK in path.read_text(errors="replace")]
+    return _training_checks(results, failures, sanitizer_reports, world, backend)
+
+
+def _rel(a: List[float], b: List[float]) -> float:
+    return max(abs(x - y) / max(abs(y), 1e-30) for x, y in zip(a, b)) if a and len(a) == len(b) else float("inf")
+
+
+def _training_checks(results: Dict, failures: Dict, sanitizer_reports: Optional[List[str]], world: int,
+                     backend: str) -> List[Dict]:
+    """What the arms' results say; `sanitizer_reports` None when the sanitized arm did not run."""
+    checks = []
+    setup = f"{world} ranks over {backend}"
+    if failures:
+        checks.append({"name": "training arms ran", "passed": False,
+                       "summary": "; ".join(f"{arm}: {why}" for arm, why in failures.items()), "details": {}})
+    losses = {arm: ranks[0]["losses"] for arm, ranks in results.items() if ranks}
+    if "async" in losses and "sync" in losses:
+        same = losses["async"] == losses["sync"]
+        checks.append({"name": "threads and sleeps change no loss", "passed": same,
+                       "summary": f"{setup}: AsyncHZP with its threads (on CUDA with a sleep after every module) vs "
+                                  "synchronous: "
+                                  + ("bit-identical" if same else f"max relative difference "
+                                     f"{_rel(losses['async'], losses['sync']):.3g}"),
+                       "details": {"rows": [{"step": i, "async": a, "sync": s}
+                                            for i, (a, s) in enumerate(zip(losses["async"], losses["sync"]))]}})
+    if "async" in losses and "zero3" in losses:
+        rel = _rel(losses["async"], losses["zero3"])
+        checks.append({"name": "losses equal stock ZeRO-3", "passed": rel <= LOSS_RTOL,
+                       "summary": f"{setup}, fp32: max relative difference {rel:.3g} (bound {LOSS_RTOL:g})",
+                       "details": {}})
+    if sanitizer_reports is not None:
+        checks.append({"name": "CUDA sanitizer", "passed": not sanitizer_reports and "sanitized" not in failures,
+                       "summary": "TORCH_CUDA_SANITIZER=1: " + (f"reports in {', '.join(sanitizer_reports)}"
+                                                                 if sanitizer_reports
+                                                                 else "no unsynchronised access reported"),
+                       "details": {}})
+    ranks = results.get("async") or []
+    memory = [r["memory"] for r in ranks if r.get("memory")]
+    if memory:
+        flat = all(m["end"]["reserved"] == m["after_warmup"]["reserved"]
+                   and m["end"]["alloc_retries"] == m["after_warmup"]["alloc_retries"] for m in memory)
+        checks.append({"name": "memory flat after warm-up", "passed": flat,
+                       "summary": "reserved bytes and allocation retries per rank, after warm-up and at the end: "
+                                  + "; ".join(f"rank {i}: {m['after_warmup']['reserved'] / 2**20:.0f} -> "
+                                              f"{m['end']['reserved'] / 2**20:.0f} MiB, retries "
+                                              f"{m['after_warmup']['alloc_retries']} -> {m['end']['alloc_retries']}"
+                                              for i, m in enumerate(memory)), "details": {}})
+    rows = []
+    for arm, arm_ranks in results.items():
+        if arm_ranks:
+            times = sorted(t for r in arm_ranks for t in r["step_ms"])
+            busy = arm_ranks[0].get("comm_busy_ms", {})
+            rows.append({"arm": arm, "median step ms": times[len(times) // 2] if times else None,
+                         **{f"{flow} busy ms/step": busy.get(flow) for flow in ("gather", "reduce", "boundary")}})
+    if rows:
+        checks.append({"name": "communication", "passed": None, "measured": True,
+                       "summary": "median step time per arm over ranks and steps (CUDA events on the compute stream) "
+                                  "and each communication thread's busy time per step (CUDA events on its stream, "
+                                  "rank 0)",
+                       "details": {"rows": rows}})
+    return checks
+
+
+# ------------------------------------------------------------------------------------------------ main
+def run_checks(args) -> Dict:
+    import deepspeed
+    import torch
+
+    cuda = not args.cpu_dry_run
+    device = torch.device("cuda" if cuda else "cpu")
+    result = {"date": datetime.date.today().isoformat(), "commit": _commit(), "device": _device_info(cuda),
+              "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__,
+                           "cuda": torch.version.cuda},
+              "settings": {"model": args.model, "steps": args.steps, "warmup": args.warmup,
+                           "grad_accum": args.grad_accum, "micro_batch": args.micro_batch, "seq_len": args.seq_len,
+                           "sleep_cycles": args.sleep_cycles, "zero3_knobs": "DeepSpeed's defaults"},
+              "checks": []}
+    sizes = [size.strip() for size in args.sizes.split(",") if size.strip()]
+    sections = [("ops", lambda: [check_ops(device)]), ("ops bandwidth", lambda: [bench_ops(device, sizes)])]
+    with tempfile.TemporaryDirectory(prefix="asynchzp-gpu-check-") as work:
+        sections.append(("training", lambda: run_training(args, cuda, Path(work))))
+        for name, section in sections:
+            _progress(f"{name} ...")
+            try:
+                result["checks"] += section()
+            except Exception as error:  # noqa: BLE001 - one broken section must not lose the others' report
+                result["checks"].append({"name": name, "passed": False,
+                                         "summary": f"raised {type(error).__name__}: {str(error)[:300]}",
+                                         "details": {}})
+    return result
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="asynchzp-gpu-check", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="docs/benchmarks", help="directory for the report (default: %(default)s)")
+    parser.add_argument("--model", default="small", help="benchmark model preset (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=50, help="measured steps per arm after warm-up")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--grad-accum", type=int, default=2)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--ranks", type=int, default=2, help="ranks sharing one GPU over gloo (one GPU only)")
+    parser.add_argument("--sleep-cycles", type=int, default=200_000,
+                        help="torch.cuda._sleep cycles after every module's forward in the threaded arms")
+    parser.add_argument("--sizes", default="1M,64M", help="op sizes for the bandwidth table")
+    parser.add_argument("--no-sanitizer", dest="sanitizer", action="store_false")
+    parser.add_argument("--sanitizer-steps", type=int, default=3, help="steps under the sanitizer (slow)")
+    parser.add_argument("--arm-timeout", type=float, default=240.0, help="seconds per training arm")
+    # Runs every part that can run without CUDA, on CPU ranks, to test the command itself.
+    parser.add_argument("--cpu-dry-run", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    if not args.cpu_dry_run and not torch.cuda.is_available():
+        print("asynchzp-gpu-check needs a CUDA GPU, and torch.cuda.is_available() is False here "
+              f"(torch {torch.__version__}, CUDA build {torch.version.cuda}). On a CPU machine run the test suite "
+              "instead (README: 'Run the tests').", file=sys.stderr)
+        return 2
+    os.environ.setdefault("DS_ACCELERATOR", "cpu" if args.cpu_dry_run else "cuda")
+    started = time.monotonic()
+    result = run_checks(args)
+    result["settings"]["seconds"] = round(time.monotonic() - started)
+    json_path, md_path = write_report(result, args.out)
+    print(md_path.read_text(), flush=True)
+    _progress(f"report: {json_path} and {md_path} ({result['settings']['seconds']} s)")
+    return 0 if verdict(result) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

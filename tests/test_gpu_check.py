@@ -1,0 +1,85 @@
+"""asynchzp-gpu-check, as far as it runs without a GPU: it refuses cleanly, its checks fail on what they must
+catch, its report is written, and every part that can run on CPU ranks does (`--cpu-dry-run`)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ds_asynchzp.gpu_check import cli
+from ds_asynchzp.gpu_check.report import render_markdown, verdict, write_report
+
+
+def _result(checks):
+    return {"date": "2026-11-25", "commit": "abc123", "device": {"name": "NVIDIA H100 80GB HBM3", "count": 1,
+                                                                  "memory_gib": 79.1},
+            "versions": {"torch": "2.13.0", "deepspeed": "0.19.8", "cuda": "13.0"},
+            "settings": {"model": "small", "steps": 50}, "checks": checks}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the refusal cannot be shown")
+def test_without_cuda_it_refuses_with_a_clear_message(capsys, tmp_path):
+    assert cli.main(["--out", str(tmp_path)]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_report_has_date_commit_device_and_every_check(tmp_path):
+    result = _result([
+        {"name": "ops against reference", "passed": True, "summary": "20 pairs, all equal",
+         "details": {"rows": [{"op": "pack", "dtype": "fp32", "max_abs_err": 0.0}]}},
+        {"name": "CUDA sanitizer", "passed": False, "summary": "reports in rank0.log", "details": {}},
+        {"name": "communication", "passed": None, "measured": True, "summary": "times", "details": {}},
+        {"name": "memory flat after warm-up", "passed": None, "summary": "did not run", "details": {}},
+    ])
+    json_path, md_path = write_report(result, tmp_path / "out")
+    assert json_path.name == "gpu-check-2026-11-25-nvidia-h100-80gb-hbm3.json" and md_path.suffix == ".md"
+    assert json.loads(json_path.read_text())["commit"] == "abc123"
+    text = md_path.read_text()
+    assert "2026-11-25" in text and "`abc123`" in text and "NVIDIA H100" in text
+    assert "| CUDA sanitizer | **FAIL** |" in text and "| communication | measured |" in text
+    assert "| memory flat after warm-up | not run |" in text and "| pack | fp32 | 0 |" in text
+    assert "a check failed" in text and not verdict(result)
+    result["checks"][1]["passed"] = True
+    assert verdict(result) and "every check passed" in render_markdown(result)
+
+
+def _ranks(losses, reserved=(100, 100), retries=(0, 0)):
+    memory = {"after_warmup": {"reserved": reserved[0], "alloc_retries": retries[0]},
+              "end": {"reserved": reserved[1], "alloc_retries": retries[1]}}
+    return [{"losses": list(losses), "step_ms": [10.0, 11.0], "memory": memory, "comm_busy_ms": {"gather": 1.0}}]
+
+
+def _by_name(checks):
+    return {check["name"]: check for check in checks}
+
+
+def test_the_training_checks_fail_on_what_they_must_catch():
+    good = {"zero3": _ranks([2.0, 1.5]), "sync": _ranks([2.0, 1.5]), "async": _ranks([2.0, 1.5])}
+    checks = _by_name(cli._training_checks(good, {}, [], 2, "nccl"))
+    assert all(check["passed"] is not False for check in checks.values()), checks
+    assert checks["CUDA sanitizer"]["passed"] and checks["losses equal stock ZeRO-3"]["passed"]
+
+    # A race changes a loss; memory grows; the sanitizer reports; an arm fails to run.
+    racy = dict(good, **{"async": _ranks([2.0, 1.5001], reserved=(100, 120), retries=(0, 3))})
+    checks = _by_name(cli._training_checks(racy, {"sanitized": "rank 1: exit code 1"}, ["rank0.log"], 2, "nccl"))
+    assert checks["threads and sleeps change no loss"]["passed"] is False
+    assert checks["losses equal stock ZeRO-3"]["passed"] is False
+    assert checks["memory flat after warm-up"]["passed"] is False
+    assert checks["CUDA sanitizer"]["passed"] is False and checks["training arms ran"]["passed"] is False
+
+
+def test_a_cpu_dry_run_runs_every_part_that_needs_no_gpu(tmp_path, deepspeed_cpu_ops, capsys):
+    code = cli.main(["--cpu-dry-run", "--out", str(tmp_path), "--model", "tiny", "--steps", "2", "--warmup", "1",
+                     "--seq-len", "32", "--micro-batch", "2", "--sizes", "64K", "--arm-timeout", "300"])
+    report = json.loads(next(tmp_path.glob("*.json")).read_text())
+    checks = _by_name(report["checks"])
+    assert code == 0, json.dumps(report["checks"], indent=1)[:4000]
+    # The compiled CPU ops against the reference; the three arms trained to the same losses.
+    assert checks["ops against reference"]["passed"], checks["ops against reference"]
+    assert checks["threads and sleeps change no loss"]["passed"]
+    assert checks["losses equal stock ZeRO-3"]["passed"]
+    assert "CUDA sanitizer" not in checks and "memory flat after warm-up" not in checks   # CUDA only
+    assert {row["arm"] for row in checks["communication"]["details"]["rows"]} == {"zero3", "sync", "async"}
