@@ -134,6 +134,27 @@ def test_host_events_stay_one_per_stream_though_each_current_stream_is_a_new_wra
     assert len(buffer.host_events()) == 2
 
 
+def test_comm_streams_are_high_priority_and_synchronised_before_the_context_closes(model, monkeypatch):
+    """Each flow's stream runs at high priority (its copies must not starve behind compute), and closing the
+    context waits until each has run what its jobs enqueued: the process groups go right after."""
+    from ds_asynchzp.scheduler import context as context_module
+
+    class NoMonitor:                            # one process, no rendezvous store
+        def __init__(self, *args, **kwargs):
+            pass
+
+        start = close = explain = lambda self, *args: None
+    monkeypatch.setattr(context_module, "PeerMonitor", NoMonitor)
+    context = context_module.CommContext(async_comm=True, timeout_s=30, device="cpu", rank=0, world=1)
+    runners = list(context.runners.values())
+    assert len(runners) == 3 and all(r.stream is not None and r.stream.priority < 0 for r in runners)
+    synced = []
+    for runner in runners:
+        runner.stream.synchronize = lambda name=runner.name: synced.append(name)
+    context.close()
+    assert sorted(synced) == sorted(r.name for r in runners)
+
+
 def test_host_order_between_threads_orders_no_stream(model):
     """A thread's job that returned has only enqueued its kernels: joining it is not a wait on its stream."""
     import threading
