@@ -84,13 +84,21 @@ def planted(fault):
 
 
 def _train(case: dict) -> list:
+    from deepspeed.accelerator import get_accelerator
+
     rank, world = deepspeed.comm.get_rank(), deepspeed.comm.get_world_size()
     engine = _build_engine(dict(case, ds_extra=dict(UNSYNCHRONIZED_TIMERS, **case.get("ds_extra", {}))))
     losses = []
+    # A user who trains on a stream of their own: compute is then not the default stream.
+    user_stream = get_accelerator().Stream() if case.get("user_stream") else None
     for step in range(case["steps"]):
         if step == case.get("modify_at"):
             edit_a_weight(engine, rank)
-        losses.append(train_step(engine, case, step, rank, world))
+        if user_stream is not None:
+            with get_accelerator().stream(user_stream):
+                losses.append(train_step(engine, case, step, rank, world))
+        else:
+            losses.append(train_step(engine, case, step, rank, world))
     engine.destroy()
     return losses
 

@@ -112,7 +112,8 @@ def test_a_turn_that_never_comes_times_out_naming_the_job_before():
     with order.turn(0, "gather", "parameter all-gather", "param_shard"):
         pass
     order.ticket()
-    with pytest.raises(CommTimeoutError, match=r"#2\) waited 0 s for its turn.*job #1 has not finished.*#0 parameter all-gather"):
+    expected = r"#2\) waited 0 s for its turn.*job #1 has not finished.*#0 parameter all-gather"
+    with pytest.raises(CommTimeoutError, match=expected):
         with order.turn(2, "reduce", "gradient reduce-scatter", "grad_shard"):
             pass
 

@@ -4,8 +4,8 @@
    the wait is not.
 2. The parity cases under the model, every rank: several layouts, async on and off, quantized flows, DeepSpeed's
    default ZeRO-3 knobs (`overlap_comm: true`, prefetch, persistence), contiguous gradients off, gradients larger
-   than the bucket, bf16, fp16, a `GatheredParameters` edit: zero violations, and the losses of stock ZeRO-3
-   under the model.
+   than the bucket, bf16, fp16, a `GatheredParameters` edit, training on a stream of the user's: zero
+   violations, and the losses of stock ZeRO-3 under the model.
 3. Each wait that fixes one of the CUDA-ordering findings, taken out one at a time: the model reports it, on the
    buffer and at the access the finding names.
 """
@@ -204,10 +204,12 @@ PARITY_CASES = [
     _case("bf16", dtype="bf16", zero=NO_PERSISTENCE),
     _case("fp16", dtype="fp16", zero=NO_PERSISTENCE),
     _case("edited_while_gathered", zero=NO_PERSISTENCE, modify_at=1),
+    _case("user_stream", zero=NO_PERSISTENCE, user_stream=True),                # compute is not the default stream
 ]
 # Stock ZeRO-3 under the model: DeepSpeed's own ordering is clean, so whatever the model finds is ours.
+TWINNED = ("defaults", "gathers_prefetched", "fp16", "user_stream")
 STOCK_TWINS = [dict({k: v for k, v in case.items() if k != "async_hzp"}, name=f"stock_{case['name']}")
-               for case in PARITY_CASES if case["name"] in ("defaults", "gathers_prefetched", "fp16")]
+               for case in PARITY_CASES if case["name"] in TWINNED]
 # The same cases without the model: it must change no result.
 UNMODELLED = [dict(case, name=f"unmodelled_{case['name']}", no_model=True)
               for case in PARITY_CASES if case["name"] in ("gathers_prefetched", "fp16")]
