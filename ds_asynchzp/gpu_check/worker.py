@@ -18,8 +18,9 @@ def _device():
 
     if not torch.cuda.is_available():
         return torch.device("cpu")
-    # Ranks sharing one GPU (gloo) all land on it; with one GPU per rank, each on its own.
-    index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+    # Every rank runs on this one machine (its "nodes" are emulated by LOCAL_WORLD_SIZE), so the global rank picks
+    # the GPU: one GPU per rank with NCCL; ranks sharing one GPU (gloo) all land on it.
+    index = int(os.environ.get("RANK", "0")) % torch.cuda.device_count()
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
 
@@ -123,11 +124,11 @@ def run_arm(payload: dict) -> dict:
                          "alloc_retries": stats.get("num_alloc_retries", 0)}
     losses = [float(value.cpu()) for value in step_losses]
     step_ms = [start.elapsed_time(end) if cuda else (end - start) * 1e3 for start, end in marks]
+    optimizer = type(engine.optimizer).__name__
+    engine.destroy()        # every job finished and every comm stream synchronised: all events are recorded
     busy = timer.busy_ms() if timer is not None else {}
     if timer is not None:
         timer.uninstall()
-    optimizer = type(engine.optimizer).__name__
-    engine.destroy()
     return {"rank": rank, "losses": losses, "step_ms": step_ms[warmup:], "memory": memory,
             "comm_busy_ms": {flow: ms / max(1, warmup + steps) for flow, ms in busy.items()},
             "optimizer": optimizer, "device": str(device)}
