@@ -125,25 +125,23 @@ _self_check()
 
 # ---------------------------------------------------------------------------------------------- engine seams
 @contextlib.contextmanager
-def engine_class_swapped(engine_class: type) -> Iterator[None]:
+def _attribute_swapped(owner, name: str, value) -> Iterator[None]:
+    original = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def engine_class_swapped(engine_class: type):
     """`deepspeed.initialize` constructs `deepspeed.DeepSpeedEngine`, looked up at call time."""
-    original = deepspeed.DeepSpeedEngine
-    deepspeed.DeepSpeedEngine = engine_class
-    try:
-        yield
-    finally:
-        deepspeed.DeepSpeedEngine = original
+    return _attribute_swapped(deepspeed, "DeepSpeedEngine", engine_class)
 
 
-@contextlib.contextmanager
-def stage3_optimizer_class_swapped(optimizer_class: type) -> Iterator[None]:
+def stage3_optimizer_class_swapped(optimizer_class: type):
     """`DeepSpeedEngine._configure_zero_optimizer` imports the Stage 3 optimizer lazily by module attribute."""
-    original = _stage3_module.DeepSpeedZeroOptimizer_Stage3
-    _stage3_module.DeepSpeedZeroOptimizer_Stage3 = optimizer_class
-    try:
-        yield
-    finally:
-        _stage3_module.DeepSpeedZeroOptimizer_Stage3 = original
+    return _attribute_swapped(_stage3_module, "DeepSpeedZeroOptimizer_Stage3", optimizer_class)
 
 
 # Attributes Stage 3 sets in its constructor that the hierarchical optimizer reads (instance attributes cannot be

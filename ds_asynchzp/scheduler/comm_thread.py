@@ -33,6 +33,14 @@ from .issue_order import IssueOrder
 _STOP = object()
 
 
+def _run_on_stream(job: Callable[[], object], after, stream) -> tuple:
+    """The contract of every job, on a thread or inline: `stream` (current) waits on the events in `after`, the
+    job runs, and an event recorded on `stream` after it says when its device work is done. (value, event)."""
+    streams.wait(list(after), stream)
+    value = job()
+    return value, streams.record(stream)
+
+
 class Pending:
     """One submitted job. `wait()` blocks until it is done (at most `timeout` seconds), re-raises its failure on
     the waiting thread, and makes the waiting thread's stream wait for its result."""
@@ -138,9 +146,8 @@ class CommThread:
             return
         started = time.perf_counter()
         try:
-            streams.wait(after, self.stream)
-            value = job()
-            pending.finish(value=value, done_event=streams.record(self.stream))
+            value, done = _run_on_stream(job, after, self.stream)
+            pending.finish(value=value, done_event=done)
         except BaseException as error:  # noqa: BLE001 - handed to the training thread, with its traceback
             self._failure = error
             pending.finish(error=error)
@@ -176,9 +183,8 @@ class InlineRunner:
         try:
             # Every earlier job ran at its submit, so the turn is this job's at once.
             with self.order.turn(pending.ticket, self.name, what, group), streams.use(self.stream):
-                streams.wait(list(after), self.stream)
-                value = job()
-            pending.finish(value=value, done_event=streams.record(self.stream))
+                value, done = _run_on_stream(job, after, self.stream)
+            pending.finish(value=value, done_event=done)
         finally:
             self.busy_s += time.perf_counter() - started
         return pending
