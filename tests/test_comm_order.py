@@ -20,9 +20,10 @@ from ds_asynchzp.bench.launch import RankFailure, launch_local
 from tests.dist_harness import LAUNCH_TIMEOUT_S, REPO_ROOT
 
 # Random delays of 0 to 15 ms before and after every collective, seeded per rank and thread: threads on
-# different ranks reach their collectives in different interleavings unless an order is imposed.
+# different ranks reach their collectives in different interleavings unless an order is imposed. DeepSpeed's
+# default ZeRO-3 knobs (overlap_comm, prefetch, persistence), as users run it.
 DELAYS = "0:15:5"
-BASE = {"gas": 2, "steps": 3, "seq_len": 16, "model": "tiny", "comm_delay": DELAYS}
+BASE = {"gas": 2, "steps": 3, "seq_len": 16, "model": "tiny", "comm_delay": DELAYS, "default_knobs": True}
 CASES = [
     dict(BASE, name="total", async_hzp={"node_size": 2, "issue_order": "total"}),
     dict(BASE, name="per_thread", async_hzp={"node_size": 2, "issue_order": "per_thread"}),
