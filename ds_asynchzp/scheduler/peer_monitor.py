@@ -2,15 +2,26 @@
 
 A rank killed mid-step (SIGKILL, out-of-memory killer) leaves its peers blocked in collectives: NCCL waits until
 its watchdog fires (10 to 30 minutes), and a launcher that stops the other ranks says only which process ended.
-Each rank publishes `host:pid` in the rendezvous store at start. A daemon thread then checks, every half second,
-that every peer on the same host is alive, and that every peer on another host keeps bumping its heartbeat
-counter in the store (counters, not clocks: hosts need not agree on the time). A peer that ended cleanly marks
-itself closed first and is not reported. When a peer is lost the thread prints one line, publishes the verdict
-in the store (so ranks whose collectives failed first still name the right rank) and ends the process.
+Each rank publishes its hostname, pid and host identity in the rendezvous store at start. The host identity is
+the kernel boot id with the PID namespace's inode: ranks with equal identities can see each other's pids, whatever
+their hostnames say (containers and cloned VMs share hostnames; the hostname is kept only for messages). Where the
+identity cannot be read (not Linux), every peer counts as on another host.
+
+A daemon thread then checks, every half second, that every peer of the same identity is alive (its pid), and
+watches one more rank, its target: the next rank in a ring over all ranks that has not closed. It reads the
+target's heartbeat counter in the store once per heartbeat period (counters, not clocks: hosts need not agree on
+the time); a target of another identity is lost when its counter stops for REMOTE_SILENCE_S, one of the same
+identity is judged by its pid. Each rank thus reads one heartbeat per heartbeat period, and the lost-rank verdict
+key once per poll: store reads grow with the world size, not its square. Whatever set of ranks dies (a whole node
+with its watchers included), unless all do, some live rank's target is dead: walking the ring back from a dead
+rank reaches a live one whose next rank is dead. A peer that ended cleanly marks itself closed first (also in its
+heartbeat) and is not reported; its watcher takes the next rank as target, so the ring keeps no gap. When a peer is lost the rank that found it prints one line, publishes the verdict in the store
+and ends; every other rank reads the verdict at its next poll (ranks whose collectives failed first also look for
+it), prints it and ends.
 
 A launcher that stops the surviving ranks itself (the `deepspeed` launcher sends SIGTERM once one rank dies)
-may do so before the next poll: a SIGTERM handler, chained to the one it replaces, checks the peers once and
-names the lost rank before the rank ends; closing the monitor puts the replaced handler back.
+may do so before the next poll: a SIGTERM handler, chained to the one it replaces, checks the peers of the same
+identity once and names the lost rank before the rank ends; closing the monitor puts the replaced handler back.
 
 A peer that is alive but stuck (stopped with SIGSTOP, hung in a kernel, or firing fewer hooks than its peers)
 is not lost: the waits of this rank time out instead (`comm_timeout_s`). To say where every rank is then, each
@@ -30,15 +41,16 @@ import socket
 import sys
 import threading
 import time
-from typing import Dict, Optional
+from typing import Dict, NamedTuple, Optional
 
 import torch.distributed as dist
 
 POLL_S = 0.5
-HEARTBEAT_EVERY = 4          # polls between heartbeat bumps (2 s)
+HEARTBEAT_EVERY = 4          # polls between heartbeat bumps and target reads (2 s)
 REMOTE_SILENCE_S = 20.0      # a remote peer whose heartbeat does not move this long is lost
 STORE_HOST_LINGER_S = 3.0    # rank 0 (the store host) waits this long after publishing a lost peer
 DIAGNOSIS_LINGER_S = 10.0    # rank 0 keeps the store up this long after its own timeout diagnosis
+CLOSED = b"closed"           # the heartbeat of a rank that ended cleanly: its watcher moves on at once
 _GENERATION = [0]            # engines made in this process so far: keys of one engine never mix with another's
 
 
@@ -48,12 +60,37 @@ def _default_store():
     return getter() if getter is not None else None
 
 
-def _pid_alive(pid: int) -> bool:
+def host_identity() -> Optional[str]:
+    """What tells this process's machine and PID namespace apart from any other: the kernel boot id (random at
+    each boot, so distinct between machines and cloned VMs, which may share a hostname) and the PID namespace's
+    device and inode (distinct between containers of one machine). Processes with equal identities see each
+    other's pids. None where either cannot be read (not Linux)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as boot:
+            boot_id = boot.read().strip()
+        namespace = os.stat("/proc/self/ns/pid")
+    except OSError:
+        return None
+    return f"{boot_id}/pidns:{namespace.st_dev}:{namespace.st_ino}" if boot_id else None
+
+
+def _proc_is_ours() -> bool:
+    # A /proc mounted for another PID namespace (`unshare --pid` without --mount-proc) numbers processes as that
+    # namespace does: /proc/<pid> there is some other process, so it cannot tell a zombie.
+    try:
+        return os.readlink("/proc/self") == str(os.getpid())
+    except OSError:
+        return False
+
+
+def _pid_alive(pid: int, read_proc: bool = True) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
+        return True
+    if not read_proc:
         return True
     try:  # a killed process not yet reaped by its parent is a zombie: ended
         with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
@@ -62,38 +99,67 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
+class Peer(NamedTuple):
+    host: str        # hostname: for messages only, never to decide anything
+    pid: int
+    local: bool      # same host identity as this rank: its pid can be checked
+
+
 class PeerMonitor:
-    def __init__(self, rank: int, world: int, exit_process=None, progress=None):
+    def __init__(self, rank: int, world: int, exit_process=None, progress=None, store=None):
         self.rank, self.world = rank, world
         self.progress = progress       # () -> this rank's position in its issue order, published with each poll
         self._published = None
-        self.store = _default_store()
+        self.store = store if store is not None else _default_store()
         _GENERATION[0] += 1
         self.prefix = f"asynchzp/monitor/{_GENERATION[0]}"
         self.host = socket.gethostname()
-        self.peers: Dict[int, tuple] = {}
+        self.node = host_identity()
+        self.pid = os.getpid()
+        self._read_proc = _proc_is_ours()
+        self.peers: Dict[int, Peer] = {}
         self.lost: Optional[str] = None
         self.store_unreachable = False
         self._exit = exit_process or (lambda code: os._exit(code))
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._previous_sigterm = None
+        self._polls = self._beats = 0
+        self._target: Optional[int] = None     # the rank this one watches by heartbeat (see the module docstring)
+        self._target_seen = None               # (its heartbeat, when it was first read)
+        self._closed_peers = set()             # ranks known to have ended cleanly: watched no more
 
     def start(self) -> None:
         if self.store is None or self.world == 1 or os.environ.get("DS_ASYNCHZP_PEER_MONITOR", "1") == "0":
             return
-        self.store.set(f"{self.prefix}/peer/{self.rank}", f"{self.host}:{os.getpid()}")
-        self.store.set(f"{self.prefix}/beat/{self.rank}", "0")
-        self._publish_progress()
-        for peer in range(self.world):
-            if peer != self.rank:
-                host, pid = self.store.get(f"{self.prefix}/peer/{peer}").decode().rsplit(":", 1)
-                self.peers[peer] = (host, int(pid))
+        self._announce()
+        self._meet_peers()
         # Created here rather than in scheduler.context: it exists per engine, like the communication threads,
         # and the context starts it.
         self._thread = threading.Thread(target=self._run, name="asynchzp-peer-monitor", daemon=True)
         self._thread.start()
         self._install_sigterm_handler()
+
+    def _announce(self) -> None:
+        record = {"host": self.host, "node": self.node, "pid": self.pid}
+        self.store.set(f"{self.prefix}/peer/{self.rank}", json.dumps(record))
+        self.store.set(f"{self.prefix}/beat/{self.rank}", "0")
+        self._publish_progress()
+
+    def _meet_peers(self) -> None:
+        """Every peer's record (blocks until each has announced itself), read once at start: one request where the
+        store answers several keys at once, since every rank reads every record."""
+        others = [peer for peer in range(self.world) if peer != self.rank]
+        keys = [f"{self.prefix}/peer/{peer}" for peer in others]
+        try:
+            values = self.store.multi_get(keys)
+        except (AttributeError, NotImplementedError):  # a store without it
+            values = [self.store.get(key) for key in keys]
+        for peer, value in zip(others, values):
+            record = json.loads(value.decode())
+            local = self.node is not None and record["node"] == self.node
+            self.peers[peer] = Peer(record["host"], int(record["pid"]), local)
+        self._target = None if not others else (self.rank + 1) % self.world
 
     def _install_sigterm_handler(self) -> None:
         # Only a handler Python can chain to and put back is replaced: getsignal() answers None for one
@@ -124,10 +190,12 @@ class PeerMonitor:
             os.kill(os.getpid(), signal.SIGTERM)
 
     def _check_local_peers(self, exit_when_lost: bool) -> bool:
-        for peer, (host, pid) in self.peers.items():
-            if host == self.host and not _pid_alive(pid):
+        """Every peer of this rank's host identity, by its pid: no store read unless one has ended."""
+        for peer, (host, pid, local) in self.peers.items():
+            if local and peer not in self._closed_peers and not _pid_alive(pid, self._read_proc):
                 try:
                     if self._closed(peer):
+                        self._closed_peers.add(peer)   # asked once: its pid stays ended
                         continue
                 except Exception:  # noqa: BLE001 - store gone: see _closed
                     self.store_unreachable = True
@@ -191,6 +259,8 @@ class PeerMonitor:
         self._thread = None
         try:
             self.store.set(f"{self.prefix}/closed/{self.rank}", "1")
+            # In the heartbeat too: the rank watching this one reads only that, and moves on to the next.
+            self.store.set(f"{self.prefix}/beat/{self.rank}", CLOSED)
         except Exception:  # noqa: BLE001 - the store may already be gone at interpreter exit
             pass
 
@@ -200,32 +270,62 @@ class PeerMonitor:
         return self.store.check([f"{self.prefix}/closed/{peer}"])
 
     def _run(self) -> None:
-        beats, seen, polls = 0, {}, 0
         while not self._stop.wait(POLL_S):
-            polls += 1
             try:
-                self._publish_progress()      # every poll: a rank that stops leaves a fresh position behind
-                if polls % HEARTBEAT_EVERY == 0:
-                    beats += 1
-                    self.store.set(f"{self.prefix}/beat/{self.rank}", str(beats))
-                if self._verdict_of_others():
-                    self._linger_if_store_host()
-                    return self._exit(1)
-                if self._check_local_peers(exit_when_lost=True) or self.store_unreachable:
+                if self._poll():
                     return
-                now = time.monotonic()
-                for peer, (host, pid) in self.peers.items():
-                    if host != self.host and polls % HEARTBEAT_EVERY == 0:
-                        value = self.store.get(f"{self.prefix}/beat/{peer}")
-                        last = seen.get(peer)
-                        if last is None or last[0] != value:
-                            seen[peer] = (value, now)
-                        elif now - last[1] > REMOTE_SILENCE_S and not self._closed(peer):  # raises: store gone
-                            return self._report(peer, f"its heartbeat (on {host}) stopped {REMOTE_SILENCE_S:.0f} s ago")
             except Exception as error:  # noqa: BLE001 - the store went away: leave the run to its own errors
                 print(f"[ds_asynchzp] rank {self.rank}: peer monitor stopped, rendezvous store unreachable: {error}",
                       file=sys.stderr, flush=True)
                 return
+
+    def _poll(self) -> bool:
+        """One look at the peers; True once there is nothing more to watch (a rank was lost, the store is gone).
+        Store reads: the verdict once, and every HEARTBEAT_EVERY polls the target's heartbeat."""
+        self._polls += 1
+        self._publish_progress()      # every poll: a rank that stops leaves a fresh position behind
+        if self._polls % HEARTBEAT_EVERY == 0:
+            self._beats += 1
+            self.store.set(f"{self.prefix}/beat/{self.rank}", str(self._beats))
+        if self._verdict_of_others():
+            self._linger_if_store_host()
+            self._exit(1)
+            return True
+        if self._check_local_peers(exit_when_lost=True) or self.store_unreachable:
+            return True
+        return self._polls % HEARTBEAT_EVERY == 0 and self._watch_target()
+
+    def _watch_target(self) -> bool:
+        """Read the target's heartbeat; report it when it has stopped on another host. A target of this rank's
+        host identity is judged by its pid (`_check_local_peers`): its heartbeat only says whether it closed. A
+        closed target hands the watch on to the next rank in the ring, read at the next period."""
+        if self._target is None:
+            return False
+        peer = self._target
+        value = self.store.get(f"{self.prefix}/beat/{peer}")
+        if value != CLOSED and peer not in self._closed_peers:
+            if self.peers[peer].local or not self._target_silent(value):
+                return False
+            if not self._closed(peer):  # raises when the store is gone: nobody accused
+                self._report(peer, f"its heartbeat (on {self.peers[peer].host}) stopped {REMOTE_SILENCE_S:.0f} s ago")
+                return True
+        self._closed_peers.add(peer)
+        self._target, self._target_seen = None, None
+        for step in range(1, self.world):
+            candidate = (peer + step) % self.world
+            if candidate == self.rank:
+                break                      # every other rank has closed: nothing left to watch
+            if candidate not in self._closed_peers:
+                self._target = candidate
+                break
+        return False
+
+    def _target_silent(self, value: bytes) -> bool:
+        now = time.monotonic()
+        if self._target_seen is None or self._target_seen[0] != value:
+            self._target_seen = (value, now)
+            return False
+        return now - self._target_seen[1] > REMOTE_SILENCE_S
 
     def _report(self, peer: int, why: str, exit_now: bool = True) -> None:
         if self.lost is None:
@@ -250,6 +350,8 @@ class PeerMonitor:
                 self._published = text
 
     def _read_peers(self) -> Dict[int, tuple]:
+        # Every peer's heartbeat and progress: 2 to 3 reads per peer, so O(world) per rank and O(world²) when
+        # every rank does it. Only on a failure path (a wait that timed out), never per poll.
         out = {}
         for peer in self.peers:
             beat = self.store.get(f"{self.prefix}/beat/{peer}")
@@ -278,7 +380,7 @@ class PeerMonitor:
         behind, silent = [], []
         for peer in sorted(after):
             beat, progress = after[peer]
-            if beat == before[peer][0]:
+            if beat == before[peer][0] and beat != CLOSED:
                 silent.append(peer)
             if progress is not None and progress["started"] < ticket:
                 behind.append(f"rank {peer} (last started {progress['what']}, as of its last report)")
