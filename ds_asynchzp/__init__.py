@@ -8,6 +8,8 @@ reduction and one parameter refresh per optimizer step cross nodes.
   top-level ``"async_hzp"`` section of the ds_config.
 * ``ds_asynchzp.register()``: makes plain ``deepspeed.initialize`` (HF Trainer, Accelerate) honour it.
 * ``ds_asynchzp.ledger``: bytes of every collective, intra- vs inter-node.
+* ``ds_asynchzp.install_cpu_zeropp_quantizer()``: lets stock ZeRO++ (qwZ, qgZ) run on CPU ranks (call it before
+  ``deepspeed.initialize``).
 
 The runtime (and with it DeepSpeed) is imported on first use of one of those names, so that the tooling
 (``asynchzp-plan``, the emulated-network cleanup, the config checker) starts without importing DeepSpeed.
@@ -32,6 +34,7 @@ _LAZY = {
     "AsyncHZPEngine": "ds_asynchzp.runtime.engine",
     "HierarchicalZeroOptimizer": "ds_asynchzp.runtime.optimizer",
     "SUPPORTED_DEEPSPEED_VERSION": "ds_asynchzp.platform.deepspeed_internals",
+    "install_cpu_zeropp_quantizer": "ds_asynchzp.platform.deepspeed_internals",
 }
 
 
@@ -47,4 +50,5 @@ __all__ = [
     "initialize", "register", "unregister", "is_registered", "resolve_for_initialize", "ledger",
     "AsyncHZPConfigError", "AsyncHZPNotActiveError", "AsyncHZPEngine", "HierarchicalZeroOptimizer",
     "ResolvedLayout", "resolve_layout", "section_from_ds_config", "SUPPORTED_DEEPSPEED_VERSION", "__version__",
+    "install_cpu_zeropp_quantizer",
 ]

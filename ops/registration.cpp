@@ -15,6 +15,12 @@ TORCH_LIBRARY(ds_asynchzp, m) {
     m.def("quantize(Tensor x, Tensor(a!) q, Tensor(b!) scales, int bits, int block_size) -> ()");
     m.def("dequantize(Tensor q, Tensor scales, Tensor(a!) out, int bits, int block_size) -> ()");
     m.def("dequantize_reduce(Tensor chunks, Tensor scales, Tensor(a!) out, int bits, int block_size) -> ()");
+    // DeepSpeed ZeRO++'s quantizer contract (cpu_zeropp.cpp; CPU only).
+    m.def("zeropp_quantize(Tensor x, Tensor(a!) q, Tensor(b!) params, int groups, int bits, int pipeline, "
+          "int nodes, int devices_per_node) -> ()");
+    m.def("zeropp_dequantize(Tensor q, Tensor params, Tensor(a!) out, int groups, int bits) -> ()");
+    m.def("zeropp_quantized_reduction(Tensor q, Tensor params, Tensor(a!) out_q, Tensor(b!) out_params, "
+          "int in_groups, int out_groups, int bits, int devices_per_node) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(ds_asynchzp, CPU, m) {
@@ -25,4 +31,7 @@ TORCH_LIBRARY_IMPL(ds_asynchzp, CPU, m) {
     m.impl("quantize", &dsa::quantize_cpu);
     m.impl("dequantize", &dsa::dequantize_cpu);
     m.impl("dequantize_reduce", &dsa::dequantize_reduce_cpu);
+    m.impl("zeropp_quantize", &dsa::zeropp_quantize_cpu);
+    m.impl("zeropp_dequantize", &dsa::zeropp_dequantize_cpu);
+    m.impl("zeropp_quantized_reduction", &dsa::zeropp_quantized_reduction_cpu);
 }

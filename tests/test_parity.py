@@ -1,7 +1,7 @@
 """AsyncHZP against stock ZeRO-3: same model, data and seed, fp32 on CPU ranks, 6 optimizer steps.
 
 The model (ds_asynchzp.bench.model, preset "tiny") has a tied embedding, a frozen parameter, a parameter whose
-size is prime (251, never divisible by the world) and a parameter unused in forward.
+size is prime (191, never divisible by the world) and a parameter unused in forward.
 
 Where every gradient is summed over the same ranks in the same order as stock, the losses must be
 bit-identical: on one node the per-micro-step reduce-scatter runs over the same ranks with the same layout,

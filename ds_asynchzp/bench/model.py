@@ -52,14 +52,32 @@ MODEL_PRESETS: dict[str, GPTConfig] = {
     "small": GPTConfig(n_layer=4, n_head=5, d_model=160, seq_len=128),
     # For runs where communication volume should matter more than overhead.
     "medium": GPTConfig(n_layer=8, n_head=6, d_model=384, seq_len=256),
+    # Host overhead per parameter (HOST_OVERHEAD_PRESET): ~400 tiny tensors, so a step's time is the per-parameter
+    # Python work of fetching, releasing and reducing each one, not arithmetic or bytes.
+    "many-small": GPTConfig(n_layer=32, n_head=2, d_model=16, seq_len=64),
 }
 
+# The preset whose step time measures host overhead per parameter; the bench's table shows that figure for it.
+HOST_OVERHEAD_PRESET = "many-small"
 
-def _largest_prime_at_most(n: int) -> int:
-    for candidate in range(n, 1, -1):
+
+def _largest_prime_at_most(n: int, step: int = 1) -> int:
+    for candidate in range(n, 1, -step):
         if all(candidate % d for d in range(2, math.isqrt(candidate) + 1)):
             return candidate
     raise ValueError(f"no prime <= {n}")
+
+
+def _prime_logit_bias_size(n: int) -> int:
+    """The largest prime p <= n that is one less than a multiple of 64 (191 for bytes), else the largest prime.
+
+    Prime, so no world size > 1 divides it; p + 1 a multiple of 64, so its shard at 2, 4 or 8 ranks is
+    (p + 1) / W elements, a multiple of 8, which stock ZeRO++'s weight quantizer needs of every gather (its
+    ``CUDAQuantizer.quantize`` asserts it)."""
+    try:
+        return _largest_prime_at_most(n - (n + 1) % 64, step=64)
+    except ValueError:
+        return _largest_prime_at_most(n)
 
 
 def _sinusoidal_positions(seq_len: int, d_model: int) -> torch.Tensor:
@@ -163,10 +181,11 @@ class GPT(nn.Module):
         # partitioned tensor is gathered twice per forward and its gradient
         # accumulates from two uses.
         self.lm_head.weight = self.wte.weight
-        # PRIME-sized: a bias on the first p logits, p the largest prime
-        # <= vocab_size (251 for bytes).  Its numel is divisible by no world
-        # size > 1, so sharding it always needs padding.
-        self.prime_logit_bias = nn.Parameter(torch.zeros(_largest_prime_at_most(cfg.vocab_size)))
+        # PRIME-sized: a bias on the first p logits, p a prime <= vocab_size
+        # (191 for bytes, see _prime_logit_bias_size).  Its numel is divisible
+        # by no world size > 1, so sharding it always needs padding (yet its
+        # shards stay multiples of 8, as stock ZeRO++'s quantizer requires).
+        self.prime_logit_bias = nn.Parameter(torch.zeros(_prime_logit_bias_size(cfg.vocab_size)))
         # UNUSED: trainable but never touched in forward, so its grad stays
         # None; gradient reduction must not wait for it or crash on it.
         self.unused = nn.Parameter(torch.zeros(cfg.d_model))
@@ -230,4 +249,6 @@ def count_parameters(model: nn.Module) -> dict[str, int]:
     return {
         "total": sum(p.numel() for p in params),
         "trainable": sum(p.numel() for p in params if p.requires_grad),
+        # Parameter tensors: what the per-parameter host overhead is divided by.
+        "tensors": len(params),
     }

@@ -5,7 +5,9 @@
 * ``bucket_add``: gradients copied or added into a reduce-scatter bucket, transposed, padded, scaled and cast
   in one pass;
 * ``quantize`` / ``dequantize``: symmetric absmax int8 / int4 block quantization;
-* ``dequantize_reduce``: the fp32 sum of k quantized chunks (an all-to-all reduction).
+* ``dequantize_reduce``: the fp32 sum of k quantized chunks (an all-to-all reduction);
+* the submodule ``zeropp``: DeepSpeed ZeRO++'s quantizer on CPU, the module stock ZeRO++ loads once
+  ``install_cpu_zeropp_quantizer()`` (``ds_asynchzp.platform.deepspeed_internals``) has bound it.
 
 The library is built on first use (``builder.py``); where it cannot be, the pure-torch reference ops in
 ``reference.py`` (the specification) run instead. ``status()`` says which, and why. docs/ops.md has the

@@ -35,7 +35,7 @@ from typing import Dict, List, Optional
 import torch
 
 NAMESPACE = "ds_asynchzp"
-CPU_SOURCES = ["registration.cpp", "cpu_layout.cpp", "cpu_quant.cpp"]
+CPU_SOURCES = ["registration.cpp", "cpu_layout.cpp", "cpu_quant.cpp", "cpu_zeropp.cpp"]
 CUDA_SOURCES = ["cuda_kernels.cu", "cuda_ops.cpp"]
 HEADERS = ["dtype_math.h", "quant_math.h", "cpu_kernels.h", "cpu_segments.h", "tensor_runs.h", "cuda_kernels.h"]
 # -ffp-contract=off: no fused multiply-add, so the kernels round exactly as the reference does (quant_math.h).

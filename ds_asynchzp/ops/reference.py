@@ -154,3 +154,70 @@ def dequantize_reduce(chunks: torch.Tensor, scales: torch.Tensor, out: torch.Ten
     for j in range(chunks.shape[0]):
         acc = acc + _dequantize_fp32(chunks[j], scales[j], n, bits, block_size)
     out.view(-1).copy_(acc)
+
+
+# --------------------------------------------------------------- ZeRO++'s quantizer contract (ops/cpu_zeropp.cpp)
+def zeropp_codes(x16: torch.Tensor, groups: int, bits: int):
+    """Symmetric grouped quantization of fp16 values, as DeepSpeed's CUDA kernels define it: per contiguous
+    group, absmax over the fp16 values (NaN ignored), scale = 2^bits / (2 * absmax) (1 where absmax is 0), code =
+    clamp(round_half_even(x * scale), -2^(bits-1), 2^(bits-1) - 1) (NaN -> 0), param = 1 / scale.
+    Returns (codes [groups, len] int8, one a value; params [groups] fp32)."""
+    x = x16.reshape(groups, -1).float()
+    absmax = torch.where(torch.isnan(x), torch.zeros_like(x), x.abs()).amax(dim=1)
+    scale = torch.where(absmax == 0, torch.ones_like(absmax), torch.full_like(absmax, float(1 << bits)) / (2 * absmax))
+    v = torch.nan_to_num(x * scale[:, None], nan=0.0)
+    codes = torch.round(v).clamp(-(1 << (bits - 1)), (1 << (bits - 1)) - 1).to(torch.int8)
+    return codes, torch.ones_like(scale) / scale
+
+
+def zeropp_pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes (int8, one a value) as stored: int8 as they are; int4 two a byte, element 2i in the high nibble."""
+    flat = codes.reshape(-1)
+    if bits == 8:
+        return flat.clone()
+    pairs = flat.to(torch.int16).view(-1, 2)
+    return (((pairs[:, 0] & 0xF) << 4) | (pairs[:, 1] & 0xF)).to(torch.uint8).view(torch.int8)
+
+
+def zeropp_unpack(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """The inverse of zeropp_pack: int8 codes, one a value (int4 nibbles sign-extended)."""
+    flat = q.reshape(-1)
+    if bits == 8:
+        return flat.clone()
+    b = flat.view(torch.uint8).to(torch.int16)
+    return torch.stack([((b >> 4) ^ 8) - 8, ((b & 0xF) ^ 8) - 8], dim=1).reshape(-1).to(torch.int8)
+
+
+def zeropp_quantize(x16: torch.Tensor, q: torch.Tensor, params: torch.Tensor, groups: int, bits: int,
+                    pipeline: int, nodes: int, devices_per_node: int) -> None:
+    """zeropp_codes of x16, with its groups swizzled for qgZ's two all-to-alls: seen as [nodes, devices_per_node,
+    pipeline, C] groups, they are written in the order [pipeline, devices_per_node, nodes, C], so that output
+    chunk d holds the shards of global ranks d, dpn + d, 2 dpn + d, ... (nodes = devices_per_node = pipeline = 1:
+    plain quantization)."""
+    codes, p = zeropp_codes(x16, groups, bits)
+    order = torch.arange(groups, device=x16.device).view(nodes, devices_per_node, pipeline, -1).permute(2, 1, 0, 3).reshape(-1)
+    q.view(-1).copy_(zeropp_pack(codes[order], bits))
+    params.view(-1).copy_(p[order])
+
+
+def zeropp_dequantize(q: torch.Tensor, params: torch.Tensor, out: torch.Tensor, groups: int, bits: int) -> None:
+    """out = code * param of its group, computed in fp32 and rounded once to out's dtype (fp16, or fp32)."""
+    codes = zeropp_unpack(q, bits).view(groups, -1).float()
+    out.view(-1).copy_((codes * params.reshape(-1)[:groups, None]).reshape(-1))
+
+
+def zeropp_quantized_reduction(q: torch.Tensor, params: torch.Tensor, out_q: torch.Tensor, out_params: torch.Tensor,
+                               in_groups: int, out_groups: int, bits: int, devices_per_node: int) -> None:
+    """q holds devices_per_node chunks, each quantized in in_groups / devices_per_node groups with its own params.
+    Each chunk is dequantized to fp16, the chunks are summed in fp16 in chunk order (each partial sum rounded to
+    fp16, starting from +0; no division), and the sum is requantized in out_groups groups."""
+    d = devices_per_node
+    chunks = q.reshape(d, -1)
+    acc = torch.zeros(chunks.shape[1] * 8 // bits, dtype=torch.float16, device=q.device)
+    for j in range(d):
+        deq = torch.empty_like(acc)
+        zeropp_dequantize(chunks[j], params.reshape(-1)[j * (in_groups // d):], deq, in_groups // d, bits)
+        acc = (acc.float() + deq.float()).half()
+    codes, p = zeropp_codes(acc, out_groups, bits)
+    out_q.view(-1).copy_(zeropp_pack(codes, bits))
+    out_params.view(-1).copy_(p)

@@ -164,6 +164,7 @@ _STAGE3_INSTANCE_ATTRIBUTES = [
     ("reduce_and_partition_stream", "the side stream of the fp16 overflow check, ordered after our gradient writes"),
     ("_is_gradient_accumulation_boundary", "whether the running backward ends the accumulation window"),
     ("micro_step_id", "backwards since the last step: the first copies into the gradient partition, later ones add"),
+    ("prefetch_elements", "zero_optimization.stage3_prefetch_bucket_size: whether the coordinator gathers ahead"),
 ]
 
 
@@ -199,6 +200,11 @@ def stage3_side_stream(optimizer):
 
 def stage3_persistent_parameters(optimizer):
     return optimizer.persistent_parameters
+
+
+def stage3_prefetches(optimizer) -> bool:
+    """Whether the parameter coordinator asks for gathers ahead of their use (`stage3_prefetch_bucket_size` > 0)."""
+    return optimizer.prefetch_elements > 0
 
 
 def rehome_stage3_param_flats(optimizer: DeepSpeedZeroOptimizer_Stage3, sub_group_flats, whole) -> None:
@@ -413,3 +419,81 @@ def _check_autoep_internals() -> None:
 
 
 _check_autoep_internals()
+
+
+# ------------------------------------------------------------------------------- stock ZeRO++ on CPU ranks
+# Stock qwZ (zero.Init's CUDAQuantizer) and qgZ (coalesced_collectives.all_to_all_quant_reduce) load DeepSpeed's
+# quantizer with `deepspeed.ops.op_builder.QuantizerBuilder().load()` when they first run, looking the builder up
+# as a module attribute, and cache the loaded module (`CUDAQuantizer.quantizer_cuda_module`,
+# `coalesced_collectives.quantizer_module`). On the CPU accelerator the builder is a NotImplementedBuilder whose
+# load() raises. ds_asynchzp.ops.zeropp is a CPU module with the CUDA module's functions.
+def _zeropp_quantizer_seams():
+    """(deepspeed.ops.op_builder, NotImplementedBuilder, [(owner, cache attribute)]), or DeepSpeedInternalsError
+    naming what moved."""
+    problems = []
+    try:
+        from deepspeed.ops import op_builder
+        from deepspeed.ops.op_builder.cpu import NotImplementedBuilder
+        from deepspeed.runtime.comm import coalesced_collectives
+        from deepspeed.runtime.zero.partition_parameters import CUDAQuantizer
+    except ImportError as error:
+        raise DeepSpeedInternalsError(f"ds_asynchzp cannot use the installed DeepSpeed: {error} (stock ZeRO++'s "
+                                      "quantizer seams)") from error
+    if not hasattr(op_builder, "QuantizerBuilder"):
+        problems.append("deepspeed.ops.op_builder.QuantizerBuilder is gone (the builder stock ZeRO++ loads)")
+    if getattr(coalesced_collectives, "op_builder", None) is not op_builder:
+        problems.append("deepspeed.runtime.comm.coalesced_collectives no longer reaches QuantizerBuilder through "
+                        "deepspeed.ops.op_builder (qgZ's quantizer)")
+    caches = [(CUDAQuantizer, "quantizer_cuda_module"), (coalesced_collectives, "quantizer_module")]
+    problems += [f"{getattr(owner, '__qualname__', owner.__name__)}.{name} is gone (the loaded quantizer's cache)"
+                 for owner, name in caches if not hasattr(owner, name)]
+    if problems:
+        raise DeepSpeedInternalsError("ds_asynchzp cannot use the installed DeepSpeed:\n  - " + "\n  - ".join(problems))
+    return op_builder, NotImplementedBuilder, caches
+
+
+_zeropp_quantizer_seams()
+
+
+class CPUZeroppQuantizerBuilder:
+    """Stands in for DeepSpeed's QuantizerBuilder where DeepSpeed has none: `load()` is ds_asynchzp.ops.zeropp."""
+
+    NAME = "ds_asynchzp_cpu_zeropp_quantizer"
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def is_compatible(self, verbose=False) -> bool:
+        return True
+
+    def absolute_name(self) -> str:
+        return "ds_asynchzp.ops.zeropp"
+
+    def load(self, verbose=True):
+        from ..ops import zeropp
+
+        return zeropp
+
+
+def install_cpu_zeropp_quantizer() -> bool:
+    """Let unchanged stock ZeRO++ (hpZ, qwZ, qgZ) run on CPU ranks; returns whether the CPU quantizer is in place.
+
+    Only where DeepSpeed's own quantizer is missing (its CPU accelerator answers QuantizerBuilder with a
+    NotImplementedBuilder): rebinds `deepspeed.ops.op_builder.QuantizerBuilder` to `CPUZeroppQuantizerBuilder`
+    and seeds the two empty caches of the loaded module with `ds_asynchzp.ops.zeropp`. Elsewhere (a CUDA
+    accelerator's own builder) it changes nothing and returns False. Idempotent; each rank calls it after
+    `import deepspeed`, before `deepspeed.initialize`."""
+    op_builder, not_implemented, caches = _zeropp_quantizer_seams()
+    current = op_builder.QuantizerBuilder
+    if current is not CPUZeroppQuantizerBuilder:
+        if not (isinstance(current, type) and issubclass(current, not_implemented)):
+            return False
+        op_builder.QuantizerBuilder = CPUZeroppQuantizerBuilder
+    module = CPUZeroppQuantizerBuilder().load()
+    for owner, name in caches:
+        if getattr(owner, name) is None:
+            setattr(owner, name, module)
+    return True
+
+
+__all__ += ["CPUZeroppQuantizerBuilder", "install_cpu_zeropp_quantizer"]
