@@ -29,6 +29,9 @@ def parse_args():
                         help="a byte-level GPT preset, or moe (a transformers Mixtral, for AutoEP)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=5)
+    parser.add_argument("--print-losses", action="store_true",
+                        help="end with every step's loss (rank 0, last micro-step) at full precision, "
+                             "to compare two runs bit for bit")
     parser.add_argument("--via-register", action="store_true",
                         help="call ds_asynchzp.register() and then plain deepspeed.initialize, "
                              "the way HF Trainer or Accelerate would reach it")
@@ -59,6 +62,7 @@ def main():
     accumulation = engine.gradient_accumulation_steps()
     seq_len = getattr(model.config, "seq_len", SEQ_LEN)  # the GPT presets fix theirs; the Mixtral takes 64
     loss = first = None
+    losses = []
     for step in range(args.steps):
         for micro in range(accumulation):
             inputs, targets = batch_for(step, micro, rank, world, micro_batch, seq_len, args.seed)
@@ -66,6 +70,7 @@ def main():
             engine.backward(loss)
             engine.step()  # applies the optimizer only at the accumulation boundary
         first = loss.item() if first is None else first
+        losses.append(loss.item())
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             print(f"step {step:4d}  loss {loss.item():.4f}", flush=True)
 
@@ -76,6 +81,13 @@ def main():
     if rank == 0:
         optimizer = type(engine.optimizer).__name__
         print(f"final_loss={final:.6f} optimizer={optimizer} first_loss={first:.6f}", flush=True)
+        if args.print_losses:
+            print("losses=" + ",".join(repr(value) for value in losses), flush=True)  # repr: round-trips exactly
+    # Shut down as torch.distributed asks: the engine's threads and peer monitor, then the process groups. Left to
+    # interpreter exit, a gloo group whose peers have gone can abort a finished rank ("terminate called without an
+    # active exception"), which a launcher reports as a failed run.
+    engine.destroy()
+    torch.distributed.destroy_process_group()
     if not math.isfinite(final):
         raise SystemExit(f"loss is not finite: {final}")
 
