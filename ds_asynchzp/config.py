@@ -56,6 +56,8 @@ from .quantization import QuantizationPlan, plan_quantization
 
 SECTION = "async_hzp"
 _PositiveInt = Annotated[int, Field(ge=1)]
+# Gathers replayed ahead of compute while DeepSpeed's own prefetch is on (`resolve_prefetch_depth`).
+DEFAULT_PREFETCH_DEPTH = 2
 _ShardSize = Optional[Union[_PositiveInt, Literal["auto"]]]
 
 
@@ -120,11 +122,13 @@ class AsyncHZPConfig(BaseModel):
         "work from background communication threads (each with its own process group and, on CUDA, its own "
         "stream), overlapping them with compute. false runs the same placement synchronously, bit for bit.",
     )
-    prefetch_depth: int = Field(
-        2,
-        ge=0,
+    prefetch_depth: Optional[Annotated[int, Field(ge=0)]] = Field(
+        None,
         description="Gathers issued ahead of compute, in the fetch order recorded on the first step (forward, "
-        "then backward). 0 gathers only what the module about to run needs. Ignored when async_comm is false.",
+        "then backward), on top of DeepSpeed's own prefetch (which the coordinator asks AsyncHZP's gathers for). "
+        "0 gathers only what the coordinator asks for. Default: 2 while DeepSpeed's prefetch is on "
+        "(zero_optimization.stage3_prefetch_bucket_size > 0, its default), 0 when it is off. Ignored when "
+        "async_comm is false.",
     )
     boundary_bucket_size: Optional[_PositiveInt] = Field(
         None,
@@ -281,7 +285,7 @@ class ResolvedLayout:
     auto_reason: Optional[str] = None
     # How the layout's collectives are scheduled (the async_hzp keys of the same names).
     async_comm: bool = True
-    prefetch_depth: int = 2
+    prefetch_depth: int = DEFAULT_PREFETCH_DEPTH
     boundary_bucket_size: Optional[int] = None
     comm_timeout_s: float = 300.0
     issue_order: str = "auto"
@@ -382,6 +386,16 @@ def _grad_accum_steps(ds_config: dict, world: int) -> int:
     if type(batch) is int and type(micro) is int and micro >= 1 and batch >= micro * world:
         return batch // (micro * world)
     return 1
+
+
+def resolve_prefetch_depth(section: AsyncHZPConfig, ds_config: dict) -> int:
+    """The replay depth: the section's value, else DeepSpeed's prefetch switch decides. A user who turned
+    DeepSpeed's prefetch off (``stage3_prefetch_bucket_size: 0``) gets no prefetch from AsyncHZP either, unless the
+    section asks for it; anything else (DeepSpeed's default 5e7, a number, HF's "auto") leaves it on."""
+    if section.prefetch_depth is not None:
+        return section.prefetch_depth
+    bucket = (ds_config.get("zero_optimization") or {}).get("stage3_prefetch_bucket_size")
+    return 0 if bucket in (0, 0.0) else DEFAULT_PREFETCH_DEPTH
 
 
 def _quantization_issues(section: AsyncHZPConfig) -> list[ConfigIssue]:
@@ -574,7 +588,8 @@ def resolve_layout(
 
     # Logged by the engine once its process groups exist (rank 0 only).
     return ResolvedLayout(world, node, world // node, d_p, d_g, d_o, log_layout=section.log_layout,
-                          auto_reason=reason, async_comm=section.async_comm, prefetch_depth=section.prefetch_depth,
+                          auto_reason=reason, async_comm=section.async_comm,
+                          prefetch_depth=resolve_prefetch_depth(section, ds_config),
                           boundary_bucket_size=section.boundary_bucket_size, comm_timeout_s=section.comm_timeout_s,
                           issue_order=section.issue_order,
                           quantized_weights=section.quantized_weights,

@@ -19,7 +19,7 @@ import deepspeed
 import torch
 
 import ds_asynchzp
-from ds_asynchzp.bench.cli import ZERO3_KNOBS
+from ds_asynchzp.bench.zero3_knobs import NO_OVERLAP as ZERO3_KNOBS
 from ds_asynchzp.bench.data import batch_for
 from ds_asynchzp.bench.model import MODEL_PRESETS, build_model
 from ds_asynchzp.errors import CheckpointError

@@ -20,16 +20,18 @@ import torch
 import ds_asynchzp
 from ds_asynchzp.accounting import ledger
 from ds_asynchzp.comm import delay_injection
-from ds_asynchzp.bench.cli import ZERO3_KNOBS as BENCH_ZERO3_KNOBS
+from ds_asynchzp.bench.zero3_knobs import NO_OVERLAP as BENCH_ZERO3_KNOBS
 from ds_asynchzp.bench.data import batch_for
 from ds_asynchzp.bench.model import MODEL_PRESETS, build_model
 from ds_asynchzp.accounting.memory import model_state_bytes
 from ds_asynchzp.accounting.sizing import padded_num_params
 from ds_asynchzp.platform.deepspeed_internals import autoep_groups
 
-# The benchmark's ZeRO-3 knobs (every arm the same; nothing stays gathered between passes), with small
-# gradient buckets so several bucket flushes happen per backward.
+# The benchmark's no-overlap ZeRO-3 knobs (every arm the same; nothing stays gathered between passes), with small
+# gradient buckets so several bucket flushes happen per backward. They turn DeepSpeed's prefetch off, which
+# turns AsyncHZP's replay off by default; the cases ask for the replay (`REPLAY_DEPTH`) so that it is exercised.
 ZERO3_KNOBS = dict(BENCH_ZERO3_KNOBS, reduce_bucket_size=20000)
+REPLAY_DEPTH = 2
 # What users run: DeepSpeed's own defaults for persistence threshold, prefetch bucket, max live parameters,
 # reuse distance and overlap_comm (only the bucket is small, for several flushes per backward).
 DEFAULT_KNOBS = {"stage": 3, "reduce_bucket_size": 20000}
@@ -56,7 +58,7 @@ def ds_config(case: dict) -> dict:
     if case.get("dtype") == "fp16":
         config["fp16"] = {"enabled": True, "initial_scale_power": 8}
     if case.get("async_hzp") is not None:
-        config["async_hzp"] = case["async_hzp"]
+        config["async_hzp"] = dict({"prefetch_depth": REPLAY_DEPTH}, **case["async_hzp"])
     config.update(case.get("ds_extra", {}))
     if case.get("autoep_size"):
         from ds_asynchzp.bench.moe_model import autoep_config

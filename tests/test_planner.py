@@ -194,14 +194,26 @@ def test_asynchzp_crosses_nodes_far_less_than_zero3_whatever_the_accumulation():
     assert times["total"] == pytest.approx(moved["intra_node"] / 400e9 + moved["inter_node"] / 25e9)
 
 
-def test_zeropp_crosses_nodes_a_quarter_of_zero3_per_micro_step():
+def test_zeropp_published_quarter_and_what_stock_qgz_sends():
+    """The paper's accounting (0.5M + 0 + 0.25M against 3M per micro-step) and what stock DeepSpeed sends: its qgZ
+    crosses nodes with the node-reduced slice only, 1/G of the INT4 gradient, so less than the paper counts."""
+    from ds_asynchzp.accounting import traffic
+    from ds_asynchzp.planner import volume
+
+    t = traffic.TrafficInputs(world=64, node_size=8, grad_accum=1, gathered_elements=6400, reduced_elements=6400,
+                              trainable_elements=6400, param_bytes=2, grad_comm_bytes=2)
+    published = sum(volume.published_flows("zeropp", t).values())
+    zero3 = sum(volume.published_flows("zero3", t).values())
+    assert published / zero3 == pytest.approx(0.25)
+    sent = volume.zeropp_flows(t)
+    assert sent["gradient reduction"] == pytest.approx(0.5 * 6400 / 8 * (8 - 1) / 8)
     one = _plan(grad_accum=1)["arms"]
     ratio = one["zeropp"]["bytes_per_step"]["inter_node"] / one["zero3"]["bytes_per_step"]["inter_node"]
-    assert 0.25 - 1e-9 <= ratio <= 0.5 and ratio == pytest.approx(0.25)  # (0.5 + 0 + 0.25) M / 3 M
-    # hpZ's world gather happens once per step, so with accumulation the share falls towards 0.25 M / 3 M.
+    assert 1 / 6 < ratio < 0.25  # the INT8 forward gather (1/6 of 3M) plus a little gradient
+    # hpZ's world gather happens once per step, so with accumulation the share falls further.
     eight = _plan(grad_accum=8)["arms"]
     ratio8 = eight["zeropp"]["bytes_per_step"]["inter_node"] / eight["zero3"]["bytes_per_step"]["inter_node"]
-    assert 1 / 12 < ratio8 < ratio
+    assert ratio8 < ratio / 4
 
 
 def test_quantized_asynchzp_shrinks_only_the_cross_node_traffic():
@@ -393,9 +405,15 @@ def test_bench_element_counts_match_the_ledger_tests():
 
     counts = planner.bench_element_counts(BENCH_CONFIG)
     expected = _element_counts(build_model("tiny"), 8)
+    qgz = counts.pop("qgz")
     assert counts == {k: expected[k] for k in ("gathered", "reduced", "trainable")}
+    # qgZ's share: the 2-D gradients that split into 2N parts, never more than what is reduced.
+    assert qgz == sum(p.numel() for n, p in build_model("tiny").named_parameters()
+                      if p.requires_grad and n != "unused" and p.dim() == 2 and p.numel() % 16 == 0)
+    assert 0 < qgz < counts["reduced"]
     assert counts["gathered"] > counts["trainable"] > counts["reduced"]  # tied weight twice; unused param
     by_group = planner.bench_element_counts(BENCH_CONFIG, 4)
+    by_group.pop("qgz")
     expected = _element_counts(build_model("tiny"), 4)
     assert by_group == {k: expected[k] for k in ("gathered", "reduced", "trainable")}
     assert all(by_group[k] <= counts[k] for k in counts)
@@ -553,3 +571,37 @@ def test_check_refuses_moe_results_by_name():
     results = {"config": {"model": "moe", "ep_size": 2, "nproc": 4, "node_size": 2}, "arms": {}}
     with pytest.raises(ValueError, match="MoE model.*--check covers dense models only"):
         planner.check_results(results)
+
+
+def test_volume_table_by_flow_passes_formula_flows_and_flags_a_planted_mismatch():
+    """ZeRO++'s volume table: flows recorded at the formulas' figures pass; a flow 10 % off is flagged, in the
+    check and in the report's table, while the arm's total stays unchanged (bytes moved between flows)."""
+    from ds_asynchzp.bench.volume_table import format_volume_table
+    from ds_asynchzp.planner import volume
+
+    elements = {"gathered": 123_456, "reduced": 100_000, "trainable": 101_000, "qgz": 60_000}
+    results = _synthetic_results(elements, with_elements=True)
+    del results["arms"]["mystery"], results["arms"][O4_ARM]
+    t = dataclasses.replace(_inputs(elements), qgz_elements=60_000)
+    results["arms"]["zeropp"] = {"bytes_per_step": planner.zeropp_bytes(t)}
+    for arm, entry in results["arms"].items():
+        sizes = (4, 4, 8) if arm == "asynchzp" else (None, None, None)
+        flows = volume.arm_flows(arm, t if arm == "zeropp" else _inputs(elements), *sizes,
+                                 planner.arm_quantization(arm, 8, 4, 4, 4, 8) if arm == "asynchzp" else None)
+        entry["bytes_per_step_by_flow"] = {f: {"inter_node": v, "intra_node": 0.0} for f, v in flows.items()}
+    report = planner.check_results(results)
+    flow_rows = [r for r in report["rows"] if r["quantity"].startswith("inter_node ")]
+    assert {r["arm"] for r in flow_rows} == {"zero3", "hpz", "zeropp", "asynchzp"} and report["ok"], report["rows"]
+    # Each arm's flows add up to its inter-node total.
+    for arm, entry in results["arms"].items():
+        assert sum(v["inter_node"] for v in entry["bytes_per_step_by_flow"].values()) == pytest.approx(
+            entry["bytes_per_step"]["inter_node"])
+    table = "\n".join(format_volume_table(results))
+    assert "off by more than" not in table and "published accounting" in table
+    planted = copy.deepcopy(results)
+    flows = planted["arms"]["zero3"]["bytes_per_step_by_flow"]
+    moved = 0.10 * flows["backward gather"]["inter_node"]
+    flows["backward gather"]["inter_node"] -= moved
+    flows["forward gather"]["inter_node"] += moved
+    assert not planner.check_results(planted)["ok"]
+    assert "| zero3 |" in (table := "\n".join(format_volume_table(planted))) and "off by more than 5 %" in table

@@ -50,6 +50,7 @@ from typing import Dict, Iterator, List, Optional
 import torch
 
 from ..platform.deepspeed_internals import comm_backend, ds_comm
+from . import flows
 
 # method -> (op kind, positional parameter names as torch.distributed spells them, the argument whose size
 # is the collective's total size S). The backend's methods are wrapped by decorators that hide their
@@ -90,6 +91,7 @@ class CommRecord:
     seconds: float = 0.0
     thread: str = ""
     started: float = 0.0           # time.perf_counter() at issue
+    phase: str = ""                # training phase at issue (`set_phase`), for the flow (`flows.flow_of`)
     ended: float = 0.0             # ... at completion (0 while in flight)
 
 
@@ -132,6 +134,9 @@ class CommLedger:
         self.expert_groups: set = set()   # ranks of expert-data-parallel groups (stock expert partitions)
         self.waits: List[tuple] = []   # (start, end, what): the training thread blocked on communication
         self.delays: List[tuple] = []  # (start, end): test-only latency injected around collectives (any thread)
+        # Process-wide, not per thread: a communication thread's collective counts in the phase the training
+        # thread is in when it is issued.
+        self.phase = ""
 
     # ------------------------------------------------------------------ install
     def install(self) -> None:
@@ -260,12 +265,19 @@ class CommLedger:
             wire = _ring_wire_bytes(kind, total, n)
             link = self._link_bytes(kind, total, ranks)
         record = CommRecord(op=kind, method=method, buffer_bytes=total, wire_bytes=wire, group_size=n,
-                            group_ranks=tuple(ranks), inter_node=inter, tag=self.current_tag(), link_bytes=link)
+                            group_ranks=tuple(ranks), inter_node=inter, tag=self.current_tag(), link_bytes=link,
+                            phase=self.phase)
         with self._lock:
             self.records.append(record)
         return record
 
-    # ------------------------------------------------------------------ tags
+    # ------------------------------------------------------------------ tags and phases
+    def set_phase(self, phase: str) -> None:
+        """The training thread enters forward, backward or step ("" outside them)."""
+        if phase and phase not in flows.PHASES:
+            raise ValueError(f"unknown phase {phase!r}; one of {flows.PHASES}")
+        self.phase = phase
+
     def current_tag(self) -> str:
         stack = getattr(self._tags, "stack", None)
         return stack[-1] if stack else ""
@@ -316,7 +328,7 @@ class CommLedger:
         time in collectives (`seconds`) of the records in [mark, until), leaving out those tagged with one of
         `skip_tags` (inspections a caller made in the middle of a measurement)."""
         out = {"intra_node": 0.0, "inter_node": 0.0, "calls": 0, "link_bytes": 0.0, "seconds": 0.0, "by_op": {},
-               "by_family": {}}
+               "by_family": {}, "by_flow": {}}
         for record in self.since(mark, until):
             if record.tag in skip_tags:
                 continue
@@ -325,7 +337,8 @@ class CommLedger:
             out["calls"] += 1
             out["link_bytes"] += record.link_bytes
             out["seconds"] += record.seconds
-            for key, name in (("by_op", record.op), ("by_family", self.family_of(record))):
+            for key, name in (("by_op", record.op), ("by_family", self.family_of(record)),
+                              ("by_flow", flows.flow_of(record.op, record.tag, record.phase))):
                 part = out[key].setdefault(name, {"intra_node": 0.0, "inter_node": 0.0, "calls": 0})
                 part[where] += record.wire_bytes
                 part["calls"] += 1
@@ -404,3 +417,16 @@ def note_delay(start: float, end: float) -> None:
 
 def tagged(tag: str):
     return _LEDGER.tagged(tag) if _LEDGER else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def phase(name: str) -> Iterator[None]:
+    """Mark a training phase (forward, backward, step) of the training thread for the records issued in it."""
+    if _LEDGER is None:
+        yield
+        return
+    _LEDGER.set_phase(name)
+    try:
+        yield
+    finally:
+        _LEDGER.set_phase("")

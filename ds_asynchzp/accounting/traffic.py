@@ -59,6 +59,7 @@ class TrafficInputs:
     param_bytes: float = 4       # b
     grad_comm_bytes: float = 4   # b_c
     persistent_elements: int = 0  # P_persist: parameters kept gathered (ZeRO-3 persistence threshold), re-gathered once per step
+    qgz_elements: int | None = None  # part of P_r stock ZeRO++'s qgZ all-to-all takes (2-D, a multiple of 2N); None: all
 
 
 #: The AsyncHZP flows, in the order of a step.
@@ -167,6 +168,9 @@ def asynchzp_bytes(t: TrafficInputs, param_shard_size: int, grad_shard_size: int
 # sends S/n from each member to each other member, on a link when that member sits on another node.
 # The ledger records the same per collective (`link_bytes`); the emulator's link counters measure it.
 GLOO_REDUCE_SCATTER_PASSES = 2
+# Stock ZeRO++'s wire formats (scales left out): qwZ's INT8 weights, qgZ's INT4 gradients.
+ZEROPP_INT8_BYTES = 1.0
+ZEROPP_INT4_BYTES = 0.5
 
 
 def _link_fraction(group_size: int, nodes_spanned: int) -> float:
@@ -200,6 +204,14 @@ def link_bytes(arm: str, t: TrafficInputs, param_shard_size: int = None, grad_sh
         return a * (2 * t.param_bytes * t.gathered_elements + rs * t.grad_comm_bytes * t.reduced_elements) * world_fraction
     if arm == "hpz":
         return (t.param_bytes * t.trainable_elements + a * rs * t.grad_comm_bytes * t.reduced_elements) * world_fraction
+    if arm == "zeropp":
+        # qwZ: one INT8 ring all-gather over the world per step; qgZ: the cross-node hop is a pairwise exchange
+        # of the node-reduced INT4 slice between one rank per node (every byte of it on a link); the gradients
+        # it cannot split are reduce-scattered over the world.
+        q = t.reduced_elements if t.qgz_elements is None else t.qgz_elements
+        hop = ZEROPP_INT4_BYTES * q / g * _ring(nodes) if nodes > 1 else 0.0
+        fallback = rs * t.grad_comm_bytes * (t.reduced_elements - q) * world_fraction
+        return ZEROPP_INT8_BYTES * t.trainable_elements * world_fraction + a * (hop + fallback)
     if not arm.startswith("asynchzp"):
         raise ValueError(f"no node-link formula for arm {arm!r}")
     d_p = g if param_shard_size is None else param_shard_size

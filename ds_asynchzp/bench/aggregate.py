@@ -31,6 +31,15 @@ def _steady_median(values: list | None, warmup: int) -> float | None:
     return None if values is None else statistics.median(values[warmup:])
 
 
+def host_us_per_param(step_time_s: float, parameter_tensors: int | None) -> float | None:
+    """Microseconds of step time per parameter tensor: on a model of many tiny tensors (the host-overhead preset)
+    the step is the per-parameter host work of fetching, releasing and reducing, so this is that work per
+    parameter per optimizer step. None when the worker did not count its tensors."""
+    if not parameter_tensors:
+        return None
+    return step_time_s * 1e6 / parameter_tensors
+
+
 def aggregate_arm(rank_results: list, warmup: int, tokens_per_step: int) -> dict:
     """One repeat of one arm."""
     n_ranks = len(rank_results)
@@ -44,7 +53,7 @@ def aggregate_arm(rank_results: list, warmup: int, tokens_per_step: int) -> dict
 
     where = ("intra_node", "inter_node")
     bytes_per_step = {w: mean_over_ranks(lambda st, w=w: st[w]) for w in where}
-    bytes_by_family = None
+    bytes_by_family = bytes_by_flow = None
     ops = sorted({op for r in by_rank for st in r["steps"] for op in st["by_op"]})
     bytes_by_op = {op: {w: mean_over_ranks(lambda st, op=op, w=w: st["by_op"].get(op, {}).get(w, 0.0))
                         for w in where} for op in ops}
@@ -73,20 +82,28 @@ def aggregate_arm(rank_results: list, warmup: int, tokens_per_step: int) -> dict
         families = sorted({f for s in steady for f in s.get("by_family", {})})
         bytes_by_family = {f: {w: sum(s.get("by_family", {}).get(f, {}).get(w, 0.0) for s in steady) / n_ranks
                                for w in where} for f in families}
+        flows = sorted({f for s in steady for f in s.get("by_flow", {})})
+        bytes_by_flow = {f: {w: sum(s.get("by_flow", {}).get(f, {}).get(w, 0.0) for s in steady) / n_ranks
+                             for w in where} for f in flows}
         if readers:
             wire = sum(r["steady_bytes_per_step"]["node_tx_bytes"] for r in readers) / n_ranks
 
     median_step = statistics.median(step_times[warmup:])
+    tensors = by_rank[0].get("parameter_tensors")
     classes = sorted({r["optimizer_class"] for r in by_rank})
     return {
         "losses": losses,
         "step_time_s": step_times,
         "median_step_time_s": median_step,
+        "parameter_tensors": tensors,
+        "host_us_per_param_per_step": host_us_per_param(median_step, tensors),
         "startup_s": {k: max(r["startup_s"][k] for r in by_rank) for k in by_rank[0]["startup_s"]},
         "bytes_per_step": bytes_per_step,
         "bytes_per_step_by_op": bytes_by_op,
         # dense / expert / tokens (AutoEP's experts and token all-to-all; dense alone without AutoEP).
         "bytes_per_step_by_family": bytes_by_family,
+        # forward gather / backward gather / gradient reduction / parameter refresh / other (accounting.flows).
+        "bytes_per_step_by_flow": bytes_by_flow,
         "families": by_rank[0].get("families"),
         "link_bytes_inter_node_per_step": link,
         "wire_bytes_inter_node_per_step": wire,
@@ -149,6 +166,8 @@ def merge_repeats(entries: list) -> dict:
     merged["tokens_per_s_per_rank"] = {"min": min(per_rank), "median": statistics.median(per_rank)}
     # Keep the top-level figures consistent with the medians above.
     merged["median_step_time_s"] = merged["step_time_stats_s"]["median"]
+    merged["host_us_per_param_per_step"] = host_us_per_param(merged["median_step_time_s"],
+                                                             merged.get("parameter_tensors"))
     merged["tokens_per_s"] = merged["tokens_per_s_per_rank"]["median"] * len(entries[0]["per_rank"])
     wires = [e["wire_bytes_inter_node_per_step"] for e in entries if e["wire_bytes_inter_node_per_step"] is not None]
     if wires:

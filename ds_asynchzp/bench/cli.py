@@ -27,28 +27,16 @@ from .aggregate import aggregate_arm, merge_repeats
 from .arms import (ARM_SECTION_KEYS, ARMS, DEFAULT_ARMS, OVERRIDABLE_ARMS, ArmSpec, ArmSpecError, parse_arm_spec,
                    parse_arm_specs)
 from .launch import prepare_ops
-from .model import MODEL_PRESETS
+from .model import HOST_OVERHEAD_PRESET, MODEL_PRESETS
 from .moe_model import MOE_PRESETS, autoep_config
 from .progress import StepProgress
 from .table import format_table
+from .zero3_knobs import DEFAULT_PRESET as DEFAULT_ZERO3_KNOBS
+from .zero3_knobs import PRESETS as ZERO3_PRESETS
+from .zero3_knobs import largest_block_parameters, zero3_knobs
 
 WORKER_TARGET = "ds_asynchzp.bench.worker:run_arm"
 
-# ZeRO-3 settings shared by every arm, so that only the arm-specific key differs between runs.
-# Persistence thresholds 0 partition every parameter (small models would otherwise keep most of them whole);
-# no prefetch, no live-parameter cache and no overlap keep each arm's traffic and timing free of
-# scheduling effects that the arms would not share.
-ZERO3_KNOBS = {
-    "stage": 3,
-    "stage3_param_persistence_threshold": 0,
-    "stage3_model_persistence_threshold": 0,
-    "stage3_max_live_parameters": 0,
-    "stage3_max_reuse_distance": 0,
-    "stage3_prefetch_bucket_size": 0,
-    "reduce_bucket_size": int(5e5),
-    "overlap_comm": False,
-    "contiguous_gradients": True,
-}
 WEIGHT_DECAY = 0.01
 GRADIENT_CLIPPING = 1.0
 FP16_INITIAL_SCALE_POWER = 8
@@ -140,6 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="sleep this many ms before and after each of the package's own collectives (the "
                              "AsyncHZP arms'; stock DeepSpeed's are not delayed), modelling link latency that "
                              "background communication can hide (default: %(default)s)")
+    parser.add_argument("--zero3-knobs", default=DEFAULT_ZERO3_KNOBS, choices=ZERO3_PRESETS,
+                        help="ZeRO-3 settings every arm shares: tuned (every parameter partitioned and released "
+                             "after use, prefetch with a few blocks live, overlap_comm on: stock ZeRO-3's own "
+                             "scheduling on), deepspeed (DeepSpeed's defaults), no-overlap (no prefetch, no live "
+                             "cache, no overlap: earlier reports' settings) (default: %(default)s)")
     parser.add_argument("--out", default="bench_out", help="output directory (default: %(default)s)")
     parser.add_argument("--timeout", type=_positive_float, default=900.0,
                         help="seconds allowed per arm before its ranks are killed (default: %(default)s)")
@@ -151,7 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
                               "joined by rate-limited links whose byte counters are recorded (needs root) "
                               "(default: %(default)s)")
     network.add_argument("--inter-node-bw", default="200mbit",
-                         help="emulated inter-node link rate, e.g. 200mbit, 1gbit (default: %(default)s)")
+                         help="emulated inter-node link rate, e.g. 200mbit, 1gbit, unlimited; a comma-separated "
+                              "list runs every arm at each rate (a sweep: OUT/bw-RATE/, OUT/sweep.md and a plot of "
+                              "the speed-up over zero3 against the rate) (default: %(default)s)")
     network.add_argument("--inter-node-delay", default=None,
                          help="emulated one-way inter-node delay in ms (a userspace relay; default: none)")
     network.add_argument("--mtu", type=_positive_int, default=9000,
@@ -214,14 +209,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.network == "loopback" and (args.inter_node_delay is not None):
         parser.error("--inter-node-delay needs --network emulated")
     if args.network == "emulated":
-        from ds_asynchzp.netem import parse_delay_ms, parse_rate
+        from ds_asynchzp.netem import parse_delay_ms
+
+        from .sweep import parse_rates
 
         try:
-            parse_rate(args.inter_node_bw)
+            args.inter_node_bws = parse_rates(args.inter_node_bw)
             if args.inter_node_delay is not None:
                 parse_delay_ms(args.inter_node_delay)
         except ValueError as exc:
             parser.error(str(exc))
+    elif "," in args.inter_node_bw:
+        parser.error("--inter-node-bw with several rates (a sweep) needs --network emulated")
     if args.model in MOE_PRESETS:
         import importlib.util
 
@@ -233,6 +232,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if expert_members_per_node(args.nproc, args.node_size, args.ep_size) is None:
             parser.error(f"--ep-size {args.ep_size} must divide --node-size {args.node_size} or be at least it "
                          "(async_hzp needs the same number of an expert group's ranks on every node)")
+    kept = kept_gathered_knobs(args)
+    if kept:
+        parser.error(f"--model {HOST_OVERHEAD_PRESET} measures the host work of fetching and releasing every parameter "
+                     f"at each use, but --zero3-knobs {args.zero3_knobs} keeps parameters gathered ("
+                     + ", ".join(kept) + "); use a preset with persistence thresholds and reuse distance 0")
     if args.warmup_steps >= args.steps:
         parser.error(f"--warmup-steps {args.warmup_steps} must be < --steps {args.steps}, "
                      "otherwise no steady-state step is left to average")
@@ -264,15 +268,24 @@ def _zeropp_keys(args: argparse.Namespace) -> dict:
 
 def arm_unavailable(arm: str, args: argparse.Namespace | None = None) -> str | None:
     """Why an arm cannot run on this benchmark's ranks, or None. The ranks are CPU processes (gloo,
-    DS_ACCELERATOR=cpu); stock ZeRO++'s weight and gradient quantizers exist only as CUDA kernels; DeepSpeed
-    refuses hpZ together with AutoEP."""
+    DS_ACCELERATOR=cpu); DeepSpeed refuses hpZ together with AutoEP. Stock ZeRO++'s quantizers (CUDA kernels
+    only in DeepSpeed) run on the package's CPU quantizer, which the worker installs for the zeropp arm; stock
+    ZeRO++'s own Python asserts sizes that some models do not have at some world sizes."""
     base = parse_arm_spec(arm).base
     if args is not None and args.model in MOE_PRESETS and base in MOE_UNSUPPORTED_ARMS:
         return MOE_UNSUPPORTED_ARMS[base]
-    if base == "zeropp":
-        return ("stock ZeRO++ quantization (qwZ, qgZ) has CUDA kernels only: on CPU ranks DeepSpeed's "
-                "CUDAQuantizer fails at initialization ('This op had not been implemented on CPU backend'); "
-                "asynchzp-bench runs CPU ranks. The AsyncHZP quantized arms (asynchzp-q, -qw, -qg) run here")
+    if base == "zeropp" and args is not None:
+        problems = getattr(args, "_zeropp_problems", None)
+        if problems is None:
+            from ..ops.zeropp import stock_zeropp_problems
+            from .worker import build_bench_model
+
+            model = build_bench_model(args.model, args.moe_experts, args.seq_len, seed=0)
+            problems = args._zeropp_problems = stock_zeropp_problems(model.named_parameters(), args.nproc)
+        if problems:
+            more = f" (and {len(problems) - 2} more)" if len(problems) > 2 else ""
+            return (f"stock ZeRO++ cannot train --model {args.model} on {args.nproc} ranks: "
+                    + "; ".join(problems[:2]) + more)
     return None
 
 
@@ -285,7 +298,7 @@ def ds_config_for(arm: str, args: argparse.Namespace) -> dict:
     """The full ds_config of one arm (a spec such as ``asynchzp:param_shard_size=1``): shared knobs plus the
     arm's own key, and the spec's overrides in its ``async_hzp`` section."""
     spec = _spec(arm, args)
-    zero = dict(ZERO3_KNOBS)
+    zero = shared_zero3_knobs(args)
     if spec.base == "hpz":
         zero["zero_hpz_partition_size"] = args.node_size
     if spec.base == "zeropp":
@@ -308,6 +321,33 @@ def ds_config_for(arm: str, args: argparse.Namespace) -> dict:
     if spec.base in OVERRIDABLE_ARMS:
         config["async_hzp"] = _async_hzp_section(spec, args)
     return config
+
+
+# ZeRO-3 keys under which a parameter stays gathered between uses unless they are 0 (absent: DeepSpeed's default,
+# which is not 0).
+KEEP_GATHERED_KEYS = ("stage3_param_persistence_threshold", "stage3_model_persistence_threshold",
+                      "stage3_max_reuse_distance")
+
+
+def kept_gathered_knobs(args: argparse.Namespace) -> list[str]:
+    """On the host-overhead preset, the shared knobs that would keep parameters gathered (so no arm re-gathers every
+    parameter at each use, which is what the preset measures); empty elsewhere."""
+    if args.model != HOST_OVERHEAD_PRESET:
+        return []
+    knobs = shared_zero3_knobs(args)
+    return [f"{key}={knobs.get(key, 'default')}" for key in KEEP_GATHERED_KEYS if knobs.get(key) != 0]
+
+
+def shared_zero3_knobs(args: argparse.Namespace) -> dict:
+    """The ``zero_optimization`` keys every arm shares, from the ``--zero3-knobs`` preset (the tuned preset's
+    live-parameter cache is sized by the model's largest block, counted once per run)."""
+    block = getattr(args, "_block_parameters", None)
+    if block is None:
+        from .worker import build_bench_model
+
+        block = largest_block_parameters(build_bench_model(args.model, args.moe_experts, args.seq_len, seed=0))
+        args._block_parameters = block
+    return zero3_knobs(getattr(args, "zero3_knobs", DEFAULT_ZERO3_KNOBS), block)
 
 
 def tokens_per_optimizer_step(args: argparse.Namespace) -> int:
@@ -373,7 +413,8 @@ def run_config(args: argparse.Namespace) -> dict:
         "timeout_s": args.timeout,
         # Applies to the package's own collectives only (the AsyncHZP arms), before and after each one.
         "comm_delay_ms": args.comm_delay_ms,
-        "zero_optimization": dict(ZERO3_KNOBS),
+        "zero3_knobs": getattr(args, "zero3_knobs", DEFAULT_ZERO3_KNOBS),
+        "zero_optimization": shared_zero3_knobs(args),
         # Keyed by the arm's full spec; arms without overrides (zero3) are left out.
         "arm_overrides": {arm: arm_overrides(arm, args) for arm in args.arms if arm_overrides(arm, args)},
         "arm_specs": {arm: {"base": _spec(arm, args).base, "overrides": dict(_spec(arm, args).overrides)}
@@ -489,25 +530,11 @@ def run_benchmark(args: argparse.Namespace) -> dict:
     return results
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    from ds_asynchzp.bench.launch import RankFailure
-    from ds_asynchzp.netem import ClusterError
-
-    started = time.monotonic()
-    try:
-        results = run_benchmark(args)
-    except ClusterError as exc:
-        # No rights, no namespaces, or leftovers of an earlier run (the message names the cleanup command).
-        print(f"asynchzp-bench: cannot emulate the cluster: {exc}", file=sys.stderr, flush=True)
-        return 2
-    except (RankFailure, TimeoutError) as exc:
-        print(f"asynchzp-bench: an arm failed; results of finished arms are in {Path(args.out) / 'results.json'}\n"
-              f"{exc}", file=sys.stderr, flush=True)
-        return 1
+def run_and_report(args: argparse.Namespace) -> dict:
+    """One complete benchmark: the arms, results.json, the table and (unless --no-report) the report."""
+    results = run_benchmark(args)
     if not results["arms"]:
-        print("asynchzp-bench: no arm could run here (see the reasons above)", file=sys.stderr, flush=True)
-        return 1
+        raise NoArmRan("no arm could run here (see the reasons above)")
     table = format_table(results)
     out = Path(args.out)
     (out / "summary.md").write_text(table + "\n", encoding="utf-8")
@@ -517,8 +544,42 @@ def main(argv: list[str] | None = None) -> int:
         from .report import write_report
 
         print(f"report: {write_report(results, out)}", flush=True)
-    print(f"\ntotal wall time {time.monotonic() - started:.1f}s; results: {out / 'results.json'}, "
-          f"table: {out / 'summary.md'}", flush=True)
+    return results
+
+
+class NoArmRan(RuntimeError):
+    pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from ds_asynchzp.bench.launch import RankFailure
+    from ds_asynchzp.netem import ClusterError
+
+    started = time.monotonic()
+    rates = getattr(args, "inter_node_bws", None) or [args.inter_node_bw]
+    try:
+        if len(rates) > 1:
+            from .sweep import run_sweep
+
+            run_sweep(args, run_and_report)
+        else:
+            run_and_report(args)
+    except ClusterError as exc:
+        # No rights, no namespaces, or leftovers of an earlier run (the message names the cleanup command).
+        print(f"asynchzp-bench: cannot emulate the cluster: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except (RankFailure, TimeoutError) as exc:
+        print(f"asynchzp-bench: an arm failed; results of finished arms are in {Path(args.out)}\n"
+              f"{exc}", file=sys.stderr, flush=True)
+        return 1
+    except NoArmRan as exc:
+        print(f"asynchzp-bench: {exc}", file=sys.stderr, flush=True)
+        return 1
+    out = Path(args.out)
+    produced = f"sweep: {out / 'sweep.md'}" if len(rates) > 1 else \
+        f"results: {out / 'results.json'}, table: {out / 'summary.md'}"
+    print(f"\ntotal wall time {time.monotonic() - started:.1f}s; {produced}", flush=True)
     return 0
 
 

@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 
 from .timeline_plot import plot_timelines
-from .table import LAYOUT_LEGEND, MB, REFERENCE_ARM, layout_cells, max_rel_loss_diff, memory_roles, role_bytes
+from .table import (HOST_COLUMN, LAYOUT_LEGEND, MB, REFERENCE_ARM, host_cell, host_legend, layout_cells,
+                    max_rel_loss_diff, memory_roles, role_bytes, shows_host_overhead)
 
 NA = "n/a"
 PLOTS = ("loss.png", "bytes.png", "step_time.png", "timeline.png")
@@ -33,6 +34,15 @@ CONSISTENCY_RTOL = 1e-6
 
 
 # ------------------------------------------------------------------------------------------------ numbers
+# Said in every report: the testbed does not give stock ZeRO-3's overlap what a GPU gives it.
+CPU_OVERLAP_CAVEAT = (
+    "**CPU testbed caveat.** Stock ZeRO-3 and ZeRO++ overlap communication with compute on CUDA streams "
+    "(`overlap_comm`, the coordinator's prefetch); DeepSpeed's CPU accelerator has no streams, so on these CPU "
+    "ranks their collectives run on the training thread whatever the knobs say, while AsyncHZP's run on its own "
+    "threads. Part of any speed-up measured here therefore comes from the testbed; the `asynchzp-sync` arm (the "
+    "same placement, nothing on threads) against `zero3` isolates what the placement alone gives.")
+
+
 def _fmt(value, spec: str) -> str:
     return NA if value is None else format(value, spec)
 
@@ -194,8 +204,10 @@ def _workload(results: dict) -> list[str]:
             lines.append(f"- **Warning:** arm {arm}: tokens_per_s x median step time = {tps * median:.1f}, "
                          f"not the {tokens} tokens per optimizer step of the configuration")
     knobs = config.get("zero_optimization") or {}
-    lines += ["", "ZeRO-3 settings shared by every arm: "
-              + (", ".join(f"`{k}={v}`" for k, v in knobs.items()) or "not recorded") + ".", "", "Arms:", ""]
+    preset = config.get("zero3_knobs") or "not recorded (before presets: no prefetch, no overlap)"
+    lines += ["", f"ZeRO-3 settings shared by every arm (`--zero3-knobs {preset}`): "
+              + (", ".join(f"`{k}={v}`" for k, v in knobs.items()) or "not recorded") + ".", "",
+              CPU_OVERLAP_CAVEAT, "", "Arms:", ""]
     overrides = config.get("arm_overrides") or {}
     for arm, entry in arms.items():
         extra = overrides.get(arm)
@@ -244,6 +256,9 @@ def _results_table(arms: dict, stats: dict, config: dict) -> list[str]:
     for key, title, fmt in optional:
         if any(s[key] is not None for s in stats.values()):
             columns.append((title, lambda a, s, key=key, fmt=fmt: fmt(s[key])))
+    host = shows_host_overhead({"config": config})
+    if host:
+        columns.append((HOST_COLUMN, lambda a, s: host_cell(arms[a], arms.get(REFERENCE_ARM))))
     columns += [("peak RSS MB", lambda a, s: _fmt(s["peak_rss"] and s["peak_rss"] / MB, ".1f")),
                 ("model-state MB", lambda a, s: _mb(s["model_state"]))]
     rows = [[fn(arm, stats[arm]) for _, fn in columns] for arm in arms]
@@ -256,7 +271,8 @@ def _results_table(arms: dict, stats: dict, config: dict) -> list[str]:
             "of bytes crossing node links; wire MB: bytes counted on the emulated links, per rank. "
             + COMM_FOOTNOTE + (DELAY_FOOTNOTE if config.get("comm_delay_ms") else "")
             + (IN_COLLECTIVES_FOOTNOTE if any(s["in_collectives"] is not None for s in stats.values()) else "")
-            + "Peak RSS: largest rank. Model-state: rank 0.", ""]
+            + "Peak RSS: largest rank. Model-state: rank 0."
+            + (" " + host_legend(arms) if host else ""), ""]
 
 
 COMM_FOOTNOTE = (
@@ -289,6 +305,16 @@ def _bytes_table(arms: dict) -> list[str]:
                                                               rows, text_columns=2), "",
             f"Collectives with no bytes in this run: {', '.join(skipped) or 'none'} (point-to-point bytes are counted "
             f"by the sender, so `recv` is always 0). Collective calls per optimizer step: {calls}.", ""]
+
+
+def _volume(results: dict) -> list[str]:
+    """ZeRO++'s volume table, where the run recorded flows and the planner has formulas for it (dense models)."""
+    from .volume_table import format_volume_table
+
+    try:
+        return format_volume_table(results)
+    except (ValueError, KeyError) as exc:  # an MoE run, or results without what the formulas need
+        return ["## Cross-node volume by flow", "", f"Not tabulated: {exc}.", ""]
 
 
 def _parity(arms: dict) -> list[str]:
@@ -501,7 +527,7 @@ def write_report(results: dict, out_dir: Path) -> Path:
     unavailable = [f"- **{arm}** was not run: {why}." for arm, why in (results.get("unavailable_arms") or {}).items()]
     lines = [title, "", *_provenance(env, config), *_workload(results), *(unavailable + [""] if unavailable else []),
              *_results_table(arms, stats, config),
-             *_bytes_table(arms), *_parity(arms), *_layout(arms), *_memory(arms), "## Plots", "",
+             *_bytes_table(arms), *_volume(results), *_parity(arms), *_layout(arms), *_memory(arms), "## Plots", "",
              "![loss per optimizer step and relative difference vs zero3](loss.png)", "",
              "![bytes per optimizer step by collective kind](bytes.png)", "",
              "![time per optimizer step](step_time.png)", "",

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import statistics
 
+from .model import HOST_OVERHEAD_PRESET
+
 REFERENCE_ARM = "zero3"
 MB = 1e6  # decimal megabytes, stated in the legend
 
@@ -58,6 +60,34 @@ def _row(arm: str, entry: dict, reference: dict | None) -> list[str]:
         f"{entry['peak_memory_bytes'] / MB:.1f}",
         f"{entry['model_state_bytes']['total'] / MB:.3f}",
     ]
+
+
+HOST_COLUMN = "host us/param/step"
+HOST_LEGEND = (
+    "Host us/param/step: median step time / the model's parameter tensors ({tensors}), in microseconds. On the "
+    f"`{HOST_OVERHEAD_PRESET}` preset (many tiny tensors, no arithmetic to speak of) the step is the per-parameter "
+    "host work of fetching, releasing and reducing every parameter, so this is that work per parameter per optimizer "
+    "step (in brackets: relative to zero3); on a fast GPU it is the step time.")
+
+
+def shows_host_overhead(results: dict) -> bool:
+    """Whether the tables show host time per parameter: only on the preset built to measure it (elsewhere step time
+    per tensor is mostly arithmetic)."""
+    return (results.get("config") or {}).get("model") == HOST_OVERHEAD_PRESET
+
+
+def host_legend(arms: dict) -> str:
+    tensors = sorted({e.get("parameter_tensors") for e in arms.values()} - {None})
+    return HOST_LEGEND.format(tensors=", ".join(map(str, tensors)) or "not recorded")
+
+
+def host_cell(entry: dict, reference: dict | None) -> str:
+    """The arm's host microseconds per parameter per step, with its ratio to the reference arm's."""
+    value = entry.get("host_us_per_param_per_step")
+    if value is None:
+        return "n/a"
+    ref = (reference or {}).get("host_us_per_param_per_step")
+    return f"{value:.0f}" + (f" ({value / ref:.2f}x)" if ref else "")
 
 
 def memory_roles(arms: dict) -> list[str]:
@@ -143,7 +173,9 @@ def format_table(results: dict) -> str:
     """Markdown table of every arm in `results` (the results.json structure), plus a short legend."""
     arms = results["arms"]
     reference = arms.get(REFERENCE_ARM)
-    rows = [list(COLUMNS)] + [_row(arm, entry, reference) for arm, entry in arms.items()]
+    host = shows_host_overhead(results)
+    rows = [list(COLUMNS) + [HOST_COLUMN] * host] + [_row(arm, entry, reference) + [host_cell(entry, reference)] * host
+                                                      for arm, entry in arms.items()]
     config = results.get("config", {})
     legend = (
         f"{config.get('model', '?')} model, {config.get('nproc', '?')} ranks in nodes of "
@@ -156,6 +188,8 @@ def format_table(results: dict) -> str:
         "in flight, on any thread; both per step the largest over ranks, median over steady steps. Communication "
         "hidden behind compute shows as busy >> exposed."
     )
+    if host:
+        legend += "\n" + host_legend(arms)
     notes = [f"- {arm}: not run: {why}" for arm, why in (results.get("unavailable_arms") or {}).items()]
     families = format_family_table(results)
     if families is not None:

@@ -64,6 +64,15 @@ def _check_optimizer(engine, expected: str) -> str:
     return name
 
 
+ZEROPP_QUANTIZER_KEYS = ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients")
+
+
+def _uses_zeropp_quantizer(ds_config: dict) -> bool:
+    """Whether stock ZeRO++ will load DeepSpeed's quantizer (qwZ or qgZ is on)."""
+    zero = ds_config.get("zero_optimization") or {}
+    return any(zero.get(key) for key in ZEROPP_QUANTIZER_KEYS)
+
+
 def _peak_rss_bytes() -> int:
     # Linux reports ru_maxrss in KiB.
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
@@ -162,7 +171,7 @@ def run_arm(payload: dict) -> dict:
     from ds_asynchzp.accounting import ledger
     from ds_asynchzp.accounting.memory import model_state_bytes
 
-    from ds_asynchzp.platform.deepspeed_internals import autoep_groups
+    from ds_asynchzp.platform.deepspeed_internals import autoep_groups, install_cpu_zeropp_quantizer
 
     from .data import batch_for
 
@@ -172,6 +181,9 @@ def run_arm(payload: dict) -> dict:
     phase_done("init_distributed_s")
 
     seed = payload["seed"]
+    if _uses_zeropp_quantizer(payload["ds_config"]):
+        # Stock qwZ / qgZ (the zeropp arm): DeepSpeed's quantizer is CUDA-only, ours stands in on CPU ranks.
+        install_cpu_zeropp_quantizer()
     torch.manual_seed(seed)
     model = build_bench_model(payload["model"], payload["moe_experts"], payload["seq_len"], seed)
     engine, *_ = ds_asynchzp.initialize(model=model,
@@ -216,13 +228,16 @@ def run_arm(payload: dict) -> dict:
         loss_sum = 0.0
         for micro in range(grad_accum):
             x, y = batch_for(step, micro, rank, world, micro_batch, seq_len, seed)
-            loss = engine(x, y)
-            engine.backward(loss)
+            with ledger.phase("forward"):
+                loss = engine(x, y)
+            with ledger.phase("backward"):
+                engine.backward(loss)
             if step == payload["steps"] - 1 and micro == grad_accum - 1:
                 # Measured before the last optimizer step: stock hpZ drops its secondary shards in the step,
                 # so afterwards its working memory would be under-counted.
                 model_states = model_state_bytes(engine)
-            engine.step()
+            with ledger.phase("step"):
+                engine.step()
             # .item() only syncs this rank's own computation; it is not a collective.
             loss_sum += loss.item()
         end = time.perf_counter()
@@ -267,7 +282,10 @@ def run_arm(payload: dict) -> dict:
                         for op, v in totals["by_op"].items()},
               "by_family": {name: {"intra_node": v["intra_node"] / steady_steps,
                                    "inter_node": v["inter_node"] / steady_steps}
-                            for name, v in totals["by_family"].items()}}
+                            for name, v in totals["by_family"].items()},
+              "by_flow": {name: {"intra_node": v["intra_node"] / steady_steps,
+                                 "inter_node": v["inter_node"] / steady_steps}
+                          for name, v in totals["by_flow"].items()}}
 
     result = {
         "rank": rank,
@@ -283,6 +301,8 @@ def run_arm(payload: dict) -> dict:
         "layout_text": layout_text,
         "families": _families(engine),
         "peak_rss_bytes": _peak_rss_bytes(),
+        # Parameter tensors of the module (a tied one once): the divisor of host overhead per parameter.
+        "parameter_tensors": sum(1 for _ in model.parameters()),
         "timeline": timeline,
         "timeline_step": timeline_step,
         "buffer_allocations": (engine.optimizer.hzp_buffer_allocations()

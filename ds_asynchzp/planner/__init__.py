@@ -9,18 +9,18 @@ adds ZeRO++'s quantized arm, which the engine does not run (ZeRO++ quantization 
 ``zeropp``: ZeRO++ with qwZ + hpZ + qgZ, as DeepSpeed implements it (``zero_quantized_weights``,
 ``zero_hpz_partition_size = G``, ``zero_quantized_gradients``). Per optimizer step, per rank::
 
-    inter = q_w * P_g * (N-1)/N  +  A * q_g * P_r * (N-1)/N
-    intra = (2A - 1) * q_w * P_g * (G-1)/G  +  A * q_g * P_r * (G-1)/G
+    inter = q_w * P_t * (N-1)/N  +  A * (q_g * Q / G * (N/G-1)/(N/G)  +  b_c * (P_r - Q) * (N-1)/N)
+    intra = (2A * P_g - P_t) * q_w * (G-1)/G  +  A * q_g * Q * (G-1)/G
 
-    q_w = 1 byte (INT8), q_g = 0.5 byte (INT4)
+    q_w = 1 byte (INT8), q_g = 0.5 byte (INT4), Q = the part of P_r qgZ takes (2-D, a multiple of 2N)
 
 The first forward after a step gathers INT8 weights over the world (0.5x of bf16); every later forward and
 backward gather reads the hpZ secondary inside the node (DeepSpeed quantizes those gathers too). qgZ's first hop
-is an INT4 all-to-all inside the node; its cross-node hop is counted as the ZeRO++ paper does, 0.25x of a bf16
-reduce-scatter over the world. (The two-hop all-to-all moves only the node-reduced 1/G slice across nodes, so
-this is the paper's upper figure.) This is :func:`ds_asynchzp.accounting.traffic.hpz_bytes` with b = q_w,
-b_c = q_g, plus the intra-node hop. DeepSpeed's quantization scales are left out (4 bytes per 8000-element
-group in its weight quantizer: < 0.1 %).
+is an INT4 all-to-all inside the node; its cross-node hop moves only the node-reduced 1/G slice, so it crosses
+nodes far less than the 0.25x of a bf16 reduce-scatter that the ZeRO++ paper counts (`volume.published_flows`
+keeps the paper's figure for the volume table); the tensors qgZ cannot split are reduce-scattered over the world
+in the communication dtype. DeepSpeed's quantization scales are left out (4 bytes per group of up to 16000
+values in its weight quantizer; one per row or column in qgZ: 8/min(rows, cols) of the INT4 payload).
 
 The quantized AsyncHZP arms are what the engine runs with the ``async_hzp`` keys of `QUANTIZED_ARMS`
 (``asynchzp-q``: ``quantize_cross_node``, the INT8 cross-node gradient exchange and parameter refresh): their
@@ -45,6 +45,7 @@ from ..errors import AsyncHZPConfigError
 from ..layout import HierarchicalLayout
 from ..quantization import NO_QUANTIZATION, QuantizationPlan, plan_quantization
 from . import moe as moe_plan
+from . import volume
 
 ARMS = ("zero3", "hpz", "zeropp", "asynchzp", "asynchzp-q")
 ARM_DESCRIPTIONS = {
@@ -171,13 +172,16 @@ def params_from_model_spec(spec: dict) -> int:
 
 # ------------------------------------------------------------------------------------------ the arms
 def zeropp_bytes(t: traffic.TrafficInputs) -> dict:
-    """ZeRO++ qwZ + hpZ + qgZ (module docstring): hpZ's formula with INT8 weights and INT4 gradients, plus the
-    intra-node all-to-all hop of qgZ."""
+    """ZeRO++ qwZ + hpZ + qgZ as stock DeepSpeed sends it (`volume.zeropp_flows`: INT8 weights once per step
+    over the world, qgZ's cross-node hop only the node-reduced INT4 slice), plus its intra-node traffic: the
+    secondary-partition gathers (INT8) and qgZ's first hop (an INT4 all-to-all inside the node)."""
     quantized = traffic.hpz_bytes(replace(t, param_bytes=INT8_BYTES, grad_comm_bytes=INT4_BYTES))
     if t.world <= t.node_size:  # one node: hpZ's world reduction already is the only (intra-node) hop
         return quantized
-    first_hop = t.grad_accum * INT4_BYTES * t.reduced_elements * (t.node_size - 1) / t.node_size
-    return {"intra_node": quantized["intra_node"] + first_hop, "inter_node": quantized["inter_node"]}
+    q = t.reduced_elements if t.qgz_elements is None else t.qgz_elements
+    first_hop = t.grad_accum * INT4_BYTES * q * (t.node_size - 1) / t.node_size
+    inter = sum(volume.zeropp_flows(t, t.qgz_elements).values())
+    return {"intra_node": quantized["intra_node"] + first_hop, "inter_node": inter}
 
 
 def arm_bytes(arm: str, t: traffic.TrafficInputs, d_p: int, d_g: int, d_o: int | None = None,
@@ -410,7 +414,7 @@ def plan(num_params: int, world: int, node_size: int, grad_accum: int = 1, dtype
 
 
 # ------------------------------------------------------------------- checking a benchmark run (--check)
-CHECKED_ARMS = ("zero3", "hpz", "asynchzp")  # and every arm named asynchzp...
+CHECKED_ARMS = ("zero3", "hpz", "zeropp", "asynchzp")  # and every arm named asynchzp...
 CHECK_RTOL = 0.05  # relative to the predicted bytes
 ZERO_PREDICTION_SLACK_BYTES = 1024  # where nothing is predicted, a few scalar all-reduces may still show up
 # Link counters of an emulated network see whole frames, both directions' TCP acknowledgements included; the
@@ -449,7 +453,7 @@ def bench_element_counts(config: dict, multiple: int | None = None) -> dict:
     multiple = world if multiple is None else multiple
     model = build_model(_model_config(config["model"], int(config.get("moe_experts") or 0),
                                       int(config.get("seq_len") or 0)))
-    counts = {"gathered": 0, "reduced": 0, "trainable": 0}
+    counts = {"gathered": 0, "reduced": 0, "trainable": 0, "qgz": 0}
     for module in model.modules():
         counts["gathered"] += sum(_padded(p.numel(), multiple) for p in module.parameters(recurse=False))
     for name, param in model.named_parameters():
@@ -457,6 +461,9 @@ def bench_element_counts(config: dict, multiple: int | None = None) -> dict:
             counts["trainable"] += _padded(param.numel(), multiple)
             if name != "unused":
                 counts["reduced"] += _padded(param.numel(), multiple)
+                # Stock qgZ's all-to-all takes 2-D gradients whose size splits into 2N parts; the rest fall back.
+                if param.dim() >= 2 and param.numel() % (2 * world) == 0:
+                    counts["qgz"] += param.numel()
     return counts
 
 
@@ -533,7 +540,7 @@ def check_results(results: dict) -> dict:
             world_elements = bench_element_counts(config)
         return world_elements
 
-    rows, notes, layouts, used = [], [], {}, None
+    rows, notes, layouts, used, link_predictions = [], [], {}, None, {}
     for arm, entry in results.get("arms", {}).items():
         if not _is_checked(arm):
             notes.append(f"arm {arm!r} has no formula here; not checked")
@@ -548,15 +555,24 @@ def check_results(results: dict) -> dict:
         used = used or elements
         t = traffic.TrafficInputs(world=world, node_size=node_size, grad_accum=int(config["grad_accum"]),
                                   gathered_elements=elements["gathered"], reduced_elements=elements["reduced"],
-                                  trainable_elements=elements["trainable"], param_bytes=b, grad_comm_bytes=b)
+                                  trainable_elements=elements["trainable"], param_bytes=b, grad_comm_bytes=b,
+                                  qgz_elements=elements.get("qgz") if arm == "zeropp" else None)
         quantization = (arm_quantization(arm, world, node_size, d_p, d_g, d_o, entry.get("layout"))
                         if arm.startswith("asynchzp") else NO_QUANTIZATION)
         predicted = arm_bytes(arm, t, d_p, d_g, d_o, quantization)
         for where in ("intra_node", "inter_node"):
             rows.append(_compare(arm, where, predicted[where], float(entry["bytes_per_step"][where])))
+        # ZeRO++'s volume table: cross-node bytes of each flow (forward gather, backward gather, gradient
+        # reduction, parameter refresh), where the run recorded them.
+        measured_flows = entry.get("bytes_per_step_by_flow")
+        if measured_flows:
+            for flow, value in volume.arm_flows(arm, t, d_p, d_g, d_o, quantization).items():
+                rows.append(_compare(arm, f"inter_node {flow}", value,
+                                     float((measured_flows.get(flow) or {}).get("inter_node", 0.0))))
         # Node links carry only the ring edges between nodes (traffic.link_bytes), not the whole inter-node
         # ring-model figure: predicted once, compared with the ledger's own estimate and with the link counters.
         link = traffic.link_bytes(arm, t, d_p, d_g, d_o, quantization)
+        link_predictions[arm] = link
         if entry.get("link_bytes_inter_node_per_step") is not None:
             rows.append(_compare(arm, "inter_node_link", link, float(entry["link_bytes_inter_node_per_step"])))
         wire = entry.get("wire_bytes_inter_node_per_step")
@@ -569,4 +585,5 @@ def check_results(results: dict) -> dict:
             "elements": {k: elements[k] for k in ("gathered", "reduced", "trainable")},
             "inputs": {"world": world, "node_size": node_size, "grad_accum": int(config["grad_accum"]),
                        "dtype": dtype},
-            "asynchzp_layouts": layouts, "wire_overhead_factor": _overhead_of(config)}
+            "asynchzp_layouts": layouts, "wire_overhead_factor": _overhead_of(config),
+            "link_bytes_per_rank": link_predictions}

@@ -19,6 +19,7 @@ from pathlib import Path
 from .. import planner
 from ..accounting.sizing import BYTES_PER_GB
 from .moe import MoeInputs
+from .time_model import TIME_RTOL, check_sweep, load_sweep
 
 GB = 1e9  # traffic is shown in decimal gigabytes, memory in GiB (BYTES_PER_GB), as the legend says
 
@@ -97,7 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="experts per token (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--check", metavar="RESULTS_JSON",
-                        help="compare the formulas with the bytes measured by asynchzp-bench; exit 1 above 5 %%")
+                        help="compare the formulas with the bytes measured by asynchzp-bench (its results.json; exit 1 above 5 %%), "
+                             "or a bandwidth sweep's sweep.json: every rate's bytes, and each arm's step time with "
+                             "the time model's (exit 1 above 20 %%)")
     return parser
 
 
@@ -208,9 +211,46 @@ def format_check(report: dict, path: str) -> str:
     return "\n".join(lines)
 
 
+def format_time_check(report: dict, path: str) -> str:
+    lines = [f"check {path}: step time against the planner's time model (within {TIME_RTOL:.0%})", ""]
+    rows = [["rate", "arm", "unshaped s", "link s", "predicted s", "measured s", "diff", ""]]
+    for r in report["rows"]:
+        rows.append([r["rate"], r["arm"], f"{r['unshaped_s']:.3f}", f"{r['link_s']:.3f}", f"{r['predicted']:.3f}",
+                     f"{r['measured']:.3f}", f"{r['rel_diff']:+.1%}", "ok" if r["ok"] else "MISMATCH"])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines += ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+              for row in rows]
+    lines += [f"note: {n}" for n in report["notes"]]
+    lines.append("PASS: every step time within the tolerance" if report["ok"] else
+                 "FAIL: not every step time within the tolerance")
+    return "\n".join(lines)
+
+
+def run_sweep_check(path: str, as_json: bool) -> int:
+    """A bandwidth sweep's sweep.json: the bytes of every rate's run, then the step times."""
+    try:
+        sweep = load_sweep(Path(path))
+        byte_reports = {rate: planner.check_results(res) for rate, res in sweep["results"].items()}
+        time_report = check_sweep(sweep)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        what = f"missing key {exc}" if isinstance(exc, KeyError) else str(exc)
+        print(f"asynchzp-plan: cannot check {path}: {what}", file=sys.stderr)
+        return 2
+    if as_json:
+        print(json.dumps({"bytes": byte_reports, "time": time_report}, indent=2))
+    else:
+        for rate, report in byte_reports.items():
+            print(format_check(report, f"{path} [{rate}]") + "\n")
+        print(format_time_check(time_report, path))
+    ok = time_report["ok"] and all(r["ok"] for r in byte_reports.values())
+    return 0 if ok else 1
+
+
 def run_check(path: str, as_json: bool) -> int:
     try:
         results = json.loads(Path(path).read_text(encoding="utf-8"))
+        if isinstance(results, dict) and "runs" in results and "rates" in results:
+            return run_sweep_check(path, as_json)
         report = planner.check_results(results)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         # A missing key means the file is not an asynchzp-bench results.json (or a much older one).
