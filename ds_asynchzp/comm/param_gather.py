@@ -11,10 +11,13 @@ coordinator waits on publishes the parameters; their buffers go back to the pool
 them (`released`).
 
 Prefetch: the sequence of requests of one micro-step (forward then backward, from `new_sequence` to the next)
-is recorded; while the next micro-step repeats it, each request also submits the next `prefetch_depth` ones,
-so their gathers run while the current module computes. A request that departs from the recording stops the
-prefetch for the rest of the sequence and becomes the new recording; a prefetched gather nobody asked for is
-given back at the next sequence. Every rank records the same requests, so every rank issues the same gathers.
+is recorded; while the next micro-step repeats it, each request keeps `prefetch_depth` gathers of the requests
+that follow in flight, so they run while the current module computes. Consecutive small requests (together at
+most `COALESCE_NUMEL` elements, no parameter twice) share one gather: one job and one collective for many tiny
+modules, where each collective would cost far more in latency and host time than in bytes (the bytes are the
+same). A request that departs from the recording stops the prefetch for the rest of the sequence and becomes
+the new recording; a prefetched gather nobody asked for is given back at the next sequence. Every rank records
+the same requests and cuts them into the same gathers, so every rank issues the same collectives.
 
 Ordering on the device (`platform.streams`). The coordinator asks for gathers, and waits for them, inside
 DeepSpeed's allgather stream, which never waits on compute; so nothing here rests on the current stream. A
@@ -27,7 +30,7 @@ the current stream and compute.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -45,6 +48,11 @@ from . import quantized
 from .collectives import all_gather, scratch
 
 Key = Tuple[int, ...]
+
+# Elements up to which consecutive prefetched requests share one gather. Below it a gather is latency-bound (NCCL's
+# small all-gathers, gloo's round trips, and the host work of a job); the in-flight memory it adds is at most
+# prefetch_depth times this.
+COALESCE_NUMEL = 1 << 16
 
 
 class GatherHandle:
@@ -68,9 +76,11 @@ class GatherHandle:
     def discard(self) -> None:
         """A prefetched gather nobody asked for: its buffers go back to the pool unpublished (the next writer
         waits for this one's write). The current stream waits for it too: whoever rewrites the shards next (the
-        step, a load) must come after its reads."""
-        for slot in self.job.wait(also=[self.owner.compute]).values():
-            self.owner.pool.release(slot, [self.job.done_event])
+        step, a load) must come after its reads. Only this request's buffers: a coalesced job also holds those of
+        other requests, which their own handles publish or give back."""
+        slots = self.job.wait(also=[self.owner.compute])
+        for param in self.params:
+            self.owner.pool.release(slots[param.ds_id], [self.job.done_event])
 
 
 @dataclass
@@ -101,6 +111,11 @@ class ParamGather:
         self._replay: List[Tuple[Key, List[torch.nn.Parameter]]] = []
         self._position: Optional[int] = 0
         self._prefetched: "OrderedDict[Key, GatherHandle]" = OrderedDict()
+        self._ahead: deque = deque()     # end (replay index) of each prefetched gather not yet wholly requested
+        self._planned = 0                # replay index up to which requests were prefetched
+        # ds_id -> (family index, dtype name, shard buffer, pool buffer size, atom, [rows, atom] view of its shard):
+        # fixed once the shards exist, until `close`.
+        self._plans: Dict[int, tuple] = {}
         # Requests served, of them already prefetched, and sequences that departed from the recording.
         self.stats = {"requests": 0, "prefetched": 0, "departures": 0}
 
@@ -114,15 +129,28 @@ class ParamGather:
             source = self._source_of[param.ds_id] = holders[0]
         return source
 
+    def _plan(self, param) -> tuple:
+        """What every gather of `param` needs, looked up once (this runs for every parameter of every request)."""
+        plan = self._plans.get(param.ds_id)
+        if plan is None:
+            source = self.source_of(param)
+            buffer = source.shards.buffer_of(param)
+            atom = buffer.columns[param.ds_id].atom
+            plan = self._plans[param.ds_id] = (self.sources.index(source), str(buffer.data.dtype), buffer,
+                                               source.group.size * source.shards.rows * atom, atom, buffer.atoms(param))
+        return plan
+
+    def close(self) -> None:
+        """Forget the shard views looked up for gathers, so that the shard buffers can go (`destroy`)."""
+        self._plans.clear()
+
     # ------------------------------------------------------------------------------ the gather job
     def _submit(self, params: Sequence[torch.nn.Parameter], flow: str, quantize: bool = False):
         params = sorted(params, key=lambda p: p.ds_id)     # the concatenation order is part of the contract
         # One collective per family (its own group) and dtype (a concatenation would promote silently).
         by_key: Dict[tuple, List[torch.nn.Parameter]] = {}
         for param in params:
-            source = self.source_of(param)
-            key = (self.sources.index(source), str(source.shards.buffer_of(param).data.dtype))
-            by_key.setdefault(key, []).append(param)
+            by_key.setdefault(self._plan(param)[:2], []).append(param)
         groups = [(self.sources[key[0]], members) for key, members in sorted(by_key.items())]
         waits = [job for source, members in groups for job in source.refresh_waits(members)]
         # Output buffers are taken here, on the training thread, in program order: which pooled buffer is free
@@ -130,14 +158,12 @@ class ParamGather:
         # stops growing once warmed up). The job's stream waits on their release events and on the training
         # thread's latest accesses to the shard buffers it reads.
         slots, after, read = {}, [], {}
-        for source, members in groups:
-            rows, d_p = source.shards.rows, source.group.size
+        for _, members in groups:
             for param in members:
-                buffer = source.shards.buffer_of(param)
+                _, _, buffer, numel, _, _ = self._plans[param.ds_id]
                 read[id(buffer)] = buffer
-                slots[param.ds_id], released = self.pool.acquire(
-                    d_p * rows * buffer.columns[param.ds_id].atom, buffer.data.dtype, buffer.data.device,
-                    readers_stream=self.compute)
+                slots[param.ds_id], released = self.pool.acquire(numel, buffer.data.dtype, buffer.data.device,
+                                                                 readers_stream=self.compute)
                 after.extend(released)
         for buffer in read.values():
             after.extend(buffer.host_events())
@@ -155,15 +181,15 @@ class ParamGather:
 
     def _gather(self, params: List[torch.nn.Parameter], slots: Dict[int, torch.Tensor], source: GatherSource,
                 fmt: Optional[QuantFormat]) -> None:
-        shards, group = source.shards, source.group
-        rows, d_p = shards.rows, group.size
-        atoms = [shards.buffer_of(p).columns[p.ds_id].atom for p in params]
+        rows, group = source.shards.rows, source.group
+        d_p = group.size
+        plans = [self._plans[p.ds_id] for p in params]
+        atoms = [plan[4] for plan in plans]
         width = rows * sum(atoms)
-        data = shards.buffer_of(params[0]).data
+        data = plans[0][2].data
         # One pass each way: the shard rows of every parameter into the send buffer, and the gathered
         # [d_p, width] block into each parameter's pool buffer in atom order (the local transpose).
-        send = ops.pack([shards.buffer_of(p).atoms(p) for p in params],
-                        out=scratch(self.scratch, "send", width, data.dtype, data.device))
+        send = ops.pack([plan[5] for plan in plans], out=scratch(self.scratch, "send", width, data.dtype, data.device))
         recv = scratch(self.scratch, "recv", d_p * width, data.dtype, data.device)
         if fmt is not None:
             quantized.all_gather(recv, send, group, fmt, self.scratch, segments=[rows * a for a in atoms])
@@ -195,7 +221,8 @@ class ParamGather:
         slot = self.leases.get(param.ds_id)
         if slot is None:
             return
-        if param.data.numel() and param.data.data_ptr() == slot.data_ptr():
+        data = param.data
+        if data.numel() and data.data_ptr() == slot.data_ptr():
             return    # still published (persistent, or kept for reuse)
         del self.leases[param.ds_id]
         # The module that read it ran on compute; a reader on the current stream (if another) is covered too.
@@ -228,6 +255,7 @@ class ParamGather:
             self._replay = self._recording
         self._recording = []
         self._position = 0
+        self._planned = 0
 
     def pause(self) -> None:
         """The shards are about to be rewritten (optimizer step, checkpoint load, a modified parameter): give back
@@ -237,6 +265,7 @@ class ParamGather:
 
     def drop_prefetched(self) -> None:
         """Give back every prefetched gather not asked for (also before anything rewrites the shards)."""
+        self._ahead.clear()
         while self._prefetched:
             _, handle = self._prefetched.popitem(last=False)
             handle.discard()
@@ -252,7 +281,32 @@ class ParamGather:
             self.stats["departures"] += 1
             self.drop_prefetched()
             return
-        for ahead_key, ahead_params in self._replay[self._position:self._position + self.prefetch_depth]:
-            if ahead_key not in self._prefetched:
-                self._prefetched[ahead_key] = GatherHandle(
-                    self, ahead_params, self._submit(ahead_params, self.FETCH, quantize=True))
+        while self._ahead and self._ahead[0] <= self._position:
+            self._ahead.popleft()       # every request of that gather has been asked for: it is no longer ahead
+        while len(self._ahead) < self.prefetch_depth and self._prefetch_next():
+            pass
+
+    def _prefetch_next(self) -> bool:
+        """Submit the next gather of the replay: the next request, with the small ones after it while they fit in
+        `COALESCE_NUMEL` elements and share no parameter (one buffer per parameter per gather). Stops short of a
+        request still prefetched from earlier (the same module again): it is submitted once that one is taken.
+        False when nothing could be submitted."""
+        start = max(self._planned, self._position)
+        end, numel, ids = start, 0, set()
+        while end < len(self._replay):
+            key, params = self._replay[end]
+            size = sum(p.ds_numel for p in params)
+            if key in self._prefetched or (end > start and (numel + size > COALESCE_NUMEL or not ids.isdisjoint(key))):
+                break
+            numel += size
+            ids.update(key)
+            end += 1
+        if end == start:
+            return False
+        requests = self._replay[start:end]
+        job = self._submit([p for _, params in requests for p in params], self.FETCH, quantize=True)
+        for key, params in requests:
+            self._prefetched[key] = GatherHandle(self, params, job)
+        self._planned = end
+        self._ahead.append(end)
+        return True

@@ -44,7 +44,7 @@ from ..config import ResolvedLayout
 from ..layout import HierarchicalLayout
 from ..quantization import QuantizationPlan
 from ..platform import streams
-from ..scheduler.context import CommContext
+from ..scheduler.context import CommContext, flows_waited_at_once
 from ..state.buffer_pool import BufferPool
 from ..state.error_feedback import ErrorFeedback
 from ..state.grad_shards import GradShards, Window
@@ -56,7 +56,7 @@ from ..platform.deepspeed_internals import (STAGE3_AVG_SCATTER_CONTIGUOUS_GRADS,
                                   partition_group_of,
                                   rehome_stage3_grad_partitions, rehome_stage3_param_flats, repartition,
                                   restore_param_hooks, stage3_bucket_params, stage3_persistent_parameters,
-                                  stage3_side_stream, stage3_sub_groups)
+                                  stage3_prefetches, stage3_side_stream, stage3_sub_groups)
 from .placement import Family, families_of
 from ..platform.process_groups import ProcessGroups, build_process_groups
 
@@ -121,8 +121,11 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         # machine, and inside the first communication job it would count against that job's timeout.
         ops.status(device)
         warm_up_groups(self._hzp_created_groups, device)
+        # Nothing gathered ahead (no replay, no coordinator prefetch): each gather is waited for as soon as it is
+        # asked for, so it runs on the training thread, as with async_comm false.
         self.hzp_comm = CommContext(layout.async_comm, layout.comm_timeout_s, device, ds_comm.get_rank(),
-                                    ds_comm.get_world_size(), layout.issue_order)
+                                    ds_comm.get_world_size(), layout.issue_order,
+                                    flows_waited_at_once(layout.prefetch_depth, stage3_prefetches(self)))
         self._hzp_param_names = {p.ds_id: name for name, p in module.named_parameters() if is_zero_param(p)}
         for placement in self.hzp_placements:
             self._hzp_build_flows(placement, layout, device)
@@ -484,6 +487,7 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         finally:
             self.hzp_comm.close()
             self.hzp_pool.clear()
+            self.hzp_gather.close()
         super().destroy()
         for placement in self.hzp_placements:
             params = placement.shards.params

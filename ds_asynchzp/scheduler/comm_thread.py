@@ -26,11 +26,29 @@ import time
 from typing import Callable, Optional
 
 from ..accounting import ledger
-from ..errors import CommThreadError, CommTimeoutError
+from ..errors import AsyncHZPNotActiveError, CommThreadError, CommTimeoutError, GradientMismatchError
 from ..platform import streams
 from .issue_order import IssueOrder
 
+# The package's own failures, raised inside jobs: passed on as they are, never read as a backend's.
+OWN_ERRORS = (AsyncHZPNotActiveError, CommThreadError, CommTimeoutError, GradientMismatchError)
+
 _STOP = object()
+
+
+class _Finished:
+    """In place of a `threading.Event` for an inline job, which is done before anyone can ask (an Event costs more
+    to build than a small gather's host work, and one is built per job)."""
+
+    @staticmethod
+    def is_set() -> bool:
+        return True
+
+    def set(self) -> None:
+        pass
+
+
+_FINISHED = _Finished()
 
 
 def _run_on_stream(job: Callable[[], object], after, stream) -> tuple:
@@ -46,14 +64,14 @@ class Pending:
     the waiting thread, and makes the waiting thread's stream wait for its result."""
 
     def __init__(self, what: str, group: str, timeout: float, diagnose: Optional[Callable[..., Optional[str]]] = None,
-                 ticket: int = -1):
+                 ticket: int = -1, inline: bool = False):
         self.what, self.group, self.timeout, self.ticket = what, group, timeout, ticket
         # Names a lost peer rank, when that is why a collective failed; else where every rank is in the order.
         self.diagnose = diagnose
         self.value = None
         self.error: Optional[BaseException] = None
         self.done_event = None                 # CUDA event recorded after the job, or None
-        self._done = threading.Event()
+        self._done = _FINISHED if inline else threading.Event()
 
     @property
     def done(self) -> bool:
@@ -165,9 +183,11 @@ class CommThread:
 class InlineRunner:
     """`async_comm: false`: every job runs at once on the submitting thread, on the flow's stream."""
 
-    def __init__(self, name: str, timeout: float, order: Optional[IssueOrder] = None, stream=None):
+    def __init__(self, name: str, timeout: float, order: Optional[IssueOrder] = None, stream=None, diagnose=None):
         self.name = name
         self.timeout = timeout
+        # As for a thread's jobs: a failed collective names the lost peer (and lets the monitor publish it).
+        self.diagnose = diagnose
         self.order = order if order is not None else IssueOrder(total=False, timeout_s=timeout)
         self.busy_s = 0.0
         self.stream = stream
@@ -178,13 +198,21 @@ class InlineRunner:
 
     def submit(self, job: Callable[[], object], what: str, group: str, after=()) -> Pending:
         """Run `job` now, on the flow's stream, after the events in `after` (None entries skipped)."""
-        pending = Pending(what, group, self.timeout, ticket=self.order.ticket())
+        pending = Pending(what, group, self.timeout, ticket=self.order.ticket(), inline=True)
         started = time.perf_counter()
         try:
             # Every earlier job ran at its submit, so the turn is this job's at once.
             with self.order.turn(pending.ticket, self.name, what, group), streams.use(self.stream):
                 value, done = _run_on_stream(job, after, self.stream)
             pending.finish(value=value, done_event=done)
+        except RuntimeError as error:  # a backend's failure (gloo, NCCL): re-raised naming the lost peer if any
+            if isinstance(error, OWN_ERRORS) or self.diagnose is None:
+                raise
+            lost = self.diagnose(pending.ticket)
+            if lost is None:
+                raise
+            raise CommThreadError(f"{what} on process group '{group}' failed ({lost}): "
+                                  f"{type(error).__name__}: {error}") from error
         finally:
             self.busy_s += time.perf_counter() - started
         return pending

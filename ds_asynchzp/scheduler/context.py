@@ -10,7 +10,9 @@ Three communication threads, one per flow of a step, so that one flow never wait
 Each issues only on its own process groups (`platform.process_groups.OWNER`). On a device with streams each
 has its own stream, at high priority, so its collectives and copies run beside compute; events order them (see
 `comm_thread`). With `async_comm: false` the three are inline runners on the training thread: the same jobs, in
-the same order, on the same streams.
+the same order, on the same streams. So is a flow named in `inline_flows`, decided from the configuration (the
+same on every rank): one whose every job is waited for as soon as it is submitted (the gathers, when nothing is
+gathered ahead), where a thread could overlap nothing and would only add two hand-offs per job.
 
 Across the threads, collectives are issued in one order per rank, the same on every rank, where the device
 needs it (`issue_order`: by default on a device with streams). A context also closes cleanly: its threads
@@ -37,8 +39,15 @@ FLOWS = ("gather", "reduce", "boundary")
 _LIVE: "weakref.WeakSet[CommContext]" = weakref.WeakSet()
 
 
+def flows_waited_at_once(prefetch_depth: int, coordinator_prefetches: bool) -> tuple:
+    """The flows whose every job is waited for as soon as it is submitted (`inline_flows`): the gathers, when
+    neither AsyncHZP's replay (`prefetch_depth`) nor DeepSpeed's coordinator asks for any ahead of its use."""
+    return () if prefetch_depth > 0 or coordinator_prefetches else ("gather",)
+
+
 class CommContext:
-    def __init__(self, async_comm: bool, timeout_s: float, device, rank: int, world: int, issue_order: str = "auto"):
+    def __init__(self, async_comm: bool, timeout_s: float, device, rank: int, world: int, issue_order: str = "auto",
+                 inline_flows: tuple = ()):
         self.async_comm = async_comm
         self.runners = {}
         total = issue_order == "total" or (issue_order == "auto" and streams.has_streams())
@@ -53,10 +62,10 @@ class CommContext:
             # A stream per flow: its copies and collectives are ordered against other streams only through the
             # events its jobs name, never through a shared stream.
             stream = streams.new_stream(device)
-            if async_comm:
+            if async_comm and flow not in inline_flows:
                 self.runners[flow] = CommThread(flow, timeout_s, self.order, stream, diagnose=self.monitor.explain)
             else:
-                self.runners[flow] = InlineRunner(flow, timeout_s, self.order, stream)
+                self.runners[flow] = InlineRunner(flow, timeout_s, self.order, stream, diagnose=self.monitor.explain)
         self.order.guard_backend()
         self.monitor.start()
         _LIVE.add(self)

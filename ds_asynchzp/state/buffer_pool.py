@@ -26,13 +26,21 @@ import torch
 from ..platform import streams
 
 
+_STORAGE_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+
+
 def _storage_users(tensor: torch.Tensor) -> int:
     """References to the tensor's storage, not counting `tensor` itself; 0 when the count is unavailable."""
-    count = getattr(torch._C, "_storage_Use_Count", None)
-    if count is None:
+    if _STORAGE_USE_COUNT is None:
         return 0
     # The temporary untyped_storage() object holds one reference and `tensor` another.
-    return int(count(tensor.untyped_storage()._cdata)) - 2
+    return int(_STORAGE_USE_COUNT(tensor.untyped_storage()._cdata)) - 2
+
+
+def _key(numel: int, dtype: torch.dtype, device) -> tuple:
+    # The device by its name ("cpu", "cuda:0"), without building a torch.device first: this runs for every parameter
+    # of every gather and release.
+    return int(numel), dtype, str(device)
 
 
 class BufferPool:
@@ -45,7 +53,7 @@ class BufferPool:
     def acquire(self, numel: int, dtype: torch.dtype, device, readers_stream=None) -> Tuple[torch.Tensor, list]:
         """A free buffer and the events its next writer waits on. `readers_stream`: where readers of a buffer
         that was still referenced at release run (an event is recorded there now)."""
-        key = (int(numel), dtype, str(torch.device(device)))
+        key = _key(numel, dtype, device)
         with self._lock:
             candidates = self._free.get(key, [])
             for i, (buffer, events, referenced) in enumerate(candidates):
@@ -67,7 +75,7 @@ class BufferPool:
 
     def release(self, buffer: torch.Tensor, events: Sequence = ()) -> None:
         """Give `buffer` back; `events` were recorded where its last readers (or its last writer) ran."""
-        key = (buffer.numel(), buffer.dtype, str(buffer.device))
+        key = _key(buffer.numel(), buffer.dtype, buffer.device)
         entry = (buffer, [e for e in events if e is not None], _storage_users(buffer) > 0)
         with self._lock:
             self._free.setdefault(key, []).append(entry)
