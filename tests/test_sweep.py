@@ -23,10 +23,13 @@ def test_rate_lists_are_checked_before_anything_runs(capsys):
     assert "needs --network emulated" in capsys.readouterr().err
 
 
-def test_time_model_waits_for_every_byte_on_the_training_thread_and_hides_a_micro_step_on_threads():
+def test_time_model_waits_for_the_link_on_the_training_thread_and_hides_a_micro_step_on_threads():
     link = time_model.link_seconds(1e6, 4, 100e6, overhead=1.0)  # 4 MB per node at 100 Mbit/s
     assert link == pytest.approx(0.32)
     assert time_model.predicted_step_s("zero3", 1.0, link, 4) == pytest.approx(1.32)
+    # Communication that took longer unshaped (host-bound collectives) than the link needs stays as it was.
+    assert time_model.predicted_step_s("zero3", 1.0, link, 4, unshaped_exposed_s=0.5) == pytest.approx(1.0)
+    assert time_model.predicted_step_s("zero3", 1.0, link, 4, unshaped_exposed_s=0.1) == pytest.approx(1.22)
     assert time_model.predicted_step_s("asynchzp-sync", 1.0, link, 4) == pytest.approx(1.32)
     assert time_model.predicted_step_s("asynchzp", 1.0, link, 4) == pytest.approx(1.07)
     assert time_model.predicted_step_s("asynchzp-q", 1.0, 0.1, 4) == pytest.approx(1.0)

@@ -5,10 +5,11 @@ Inputs: each arm's step time with unshaped links (compute, and communication at 
 flows put on a node link per optimizer step (the ledger's figure of the unshaped run, else the planner's
 `traffic.link_bytes`; per rank, times the ranks of a node, times the frame overhead of the link), and the link's
 rate. An arm that communicates on the training thread (stock ZeRO-3
-and ZeRO++ on CPU ranks, whose overlap needs CUDA streams; AsyncHZP with ``async_comm: false``) waits for every
-byte::
+and ZeRO++ on CPU ranks, whose overlap needs CUDA streams; AsyncHZP with ``async_comm: false``) waits for its
+communication, which takes the longer of what it took unshaped (``exposed(unshaped)``: on CPU ranks gloo's
+collectives are bound by the host, not by a fast link) and the link's time::
 
-    step(rate) = step(unshaped) + link_s(rate)
+    step(rate) = step(unshaped) - exposed(unshaped) + max(exposed(unshaped), link_s(rate))
 
 AsyncHZP crosses nodes once per optimizer step, from its boundary thread: the gradient exchange runs under the
 last backward and the parameter refresh under the next forward, so about one micro-step of compute hides it::
@@ -44,10 +45,11 @@ def link_seconds(link_bytes_per_rank: float, ranks_per_node: int, rate_bits_s: f
 
 
 def predicted_step_s(arm: str, unshaped_step_s: float, link_s: float, grad_accum: int,
-                     overrides: dict | None = None) -> float:
+                     overrides: dict | None = None, unshaped_exposed_s: float = 0.0) -> float:
     if runs_on_threads(arm, overrides):
         return unshaped_step_s + max(0.0, link_s - unshaped_step_s / grad_accum)
-    return unshaped_step_s + link_s
+    exposed = min(max(unshaped_exposed_s, 0.0), unshaped_step_s)
+    return unshaped_step_s - exposed + max(exposed, link_s)
 
 
 def load_sweep(path: Path) -> dict:
@@ -93,7 +95,8 @@ def check_sweep(sweep: dict) -> dict:
                 continue
             overrides = (config.get("arm_overrides") or {}).get(arm, {}).get("async_hzp")
             link_s = link_seconds(float(link_bytes), int(config["node_size"]), bits, overhead)
-            predicted = predicted_step_s(arm, t0, link_s, int(config["grad_accum"]), overrides)
+            predicted = predicted_step_s(arm, t0, link_s, int(config["grad_accum"]), overrides,
+                                         unshaped_entry.get("exposed_comm_s_per_step") or 0.0)
             measured = entry["median_step_time_s"]
             rel = (measured - predicted) / predicted
             rows.append({"rate": rate, "arm": arm, "measured": measured, "predicted": predicted,
