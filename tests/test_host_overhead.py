@@ -16,7 +16,7 @@ import torch
 from ds_asynchzp.bench import cli
 from ds_asynchzp.bench.aggregate import aggregate_arm, merge_repeats
 from ds_asynchzp.bench.model import HOST_OVERHEAD_PRESET, MODEL_PRESETS, build_model, count_parameters
-from ds_asynchzp.bench.table import HOST_COLUMN, format_table
+from ds_asynchzp.bench.table import HOST_COLUMNS, format_table
 from ds_asynchzp.comm.param_gather import COALESCE_NUMEL
 from ds_asynchzp.scheduler import context as context_module
 from ds_asynchzp.scheduler.comm_thread import CommThread, InlineRunner
@@ -34,27 +34,38 @@ def test_the_host_overhead_preset_is_many_tiny_tensors_counted_once():
     assert count_parameters(build_model("tiny", seed=0))["tensors"] < counts["tensors"] / 5
 
 
+def _with_cpu(rank: dict, cpu: list, tensors: int = 400) -> dict:
+    return dict(rank, parameter_tensors=tensors, steps=[dict(s, cpu_s=c) for s, c in zip(rank["steps"], cpu)])
+
+
 def test_host_time_per_parameter_is_median_step_time_over_tensors():
-    ranks = [dict(_fake_rank(r, [1.0] * 3, times, [0.0] * 3, 1), parameter_tensors=400)
-             for r, times in ((1, [9.0, 1.0, 3.0]), (0, [5.0, 2.0, 2.0]))]
+    ranks = [_with_cpu(_fake_rank(1, [1.0] * 3, [9.0, 1.0, 3.0], [0.0] * 3, 1), [9.0, 0.5, 0.8]),
+             _with_cpu(_fake_rank(0, [1.0] * 3, [5.0, 2.0, 2.0], [0.0] * 3, 1), [5.0, 0.6, 0.4])]
     entry = aggregate_arm(ranks, 1, 16)
     assert entry["median_step_time_s"] == 2.5 and entry["parameter_tensors"] == 400  # slowest rank, steady steps
     assert entry["host_us_per_param_per_step"] == pytest.approx(2.5e6 / 400)
-    slower = aggregate_arm([dict(r, steps=[dict(s, time_s=2 * s["time_s"]) for s in r["steps"]]) for r in ranks], 1, 16)
-    merged = merge_repeats([entry, slower, slower])   # the median of the repeats' medians: 5.0 s
+    # CPU time: per step the largest over ranks (0.6, 0.8), then the median over steady steps.
+    assert entry["cpu_s_per_step"] == pytest.approx(0.7)
+    assert entry["host_cpu_us_per_param_per_step"] == pytest.approx(0.7e6 / 400)
+    slower = aggregate_arm([dict(r, steps=[dict(s, time_s=2 * s["time_s"], cpu_s=2 * s["cpu_s"]) for s in r["steps"]])
+                            for r in ranks], 1, 16)
+    merged = merge_repeats([entry, slower, slower])   # the median of the repeats' medians: 5.0 s, 1.4 s
     assert merged["host_us_per_param_per_step"] == pytest.approx(5.0e6 / 400)
+    assert merged["host_cpu_us_per_param_per_step"] == pytest.approx(1.4e6 / 400)
     older = aggregate_arm([_fake_rank(0, [1.0] * 2, [1.0] * 2, [0.0] * 2, 1)], 1, 16)
-    assert older["host_us_per_param_per_step"] is None   # workers that did not count their tensors
+    # Workers that did not count their tensors or their CPU time.
+    assert older["host_us_per_param_per_step"] is None and older["host_cpu_us_per_param_per_step"] is None
 
 
 def test_the_table_shows_host_time_on_the_host_overhead_preset_only():
-    entry = aggregate_arm([dict(_fake_rank(0, [1.0] * 2, [1.0] * 2, [0.0] * 2, 1), parameter_tensors=500)], 1, 16)
+    entry = aggregate_arm([_with_cpu(_fake_rank(0, [1.0] * 2, [1.0] * 2, [0.0] * 2, 1), [1.0, 0.25], 500)], 1, 16)
     half = dict(entry, host_us_per_param_per_step=entry["host_us_per_param_per_step"] / 2)
     table = format_table({"config": {"model": HOST_OVERHEAD_PRESET}, "arms": {"zero3": entry, "asynchzp": half}})
-    assert HOST_COLUMN in table and "500" in table
+    assert all(title in table for title in HOST_COLUMNS) and "(500)" in table
     row = next(line for line in table.splitlines() if line.startswith("| asynchzp"))
-    assert "1000 (0.50x)" in row
-    assert HOST_COLUMN not in format_table({"config": {"model": "small"}, "arms": {"zero3": entry}})
+    assert "1000 (0.50x)" in row and "500 (1.00x)" in row   # wall, then CPU (0.25 s / 500)
+    assert not any(title in format_table({"config": {"model": "small"}, "arms": {"zero3": entry}})
+                   for title in HOST_COLUMNS)
 
 
 @pytest.mark.parametrize("knobs", ["tuned", "no-overlap"])

@@ -62,6 +62,7 @@ def aggregate_arm(rank_results: list, warmup: int, tokens_per_step: int) -> dict
     # exposed and busy time below do.
     comm_time = [sum(r["steps"][s]["comm_s"] for r in by_rank) / n_ranks for s in range(n_steps)]
     exposed = _per_step_max(by_rank, "exposed_comm_s", n_steps)
+    cpu = _per_step_max(by_rank, "cpu_s", n_steps)
     busy = _per_step_max(by_rank, "comm_busy_s", n_steps)
 
     # Node-link counters: one reader per node (local rank 0), so summing readers counts each link once.
@@ -90,6 +91,7 @@ def aggregate_arm(rank_results: list, warmup: int, tokens_per_step: int) -> dict
 
     median_step = statistics.median(step_times[warmup:])
     tensors = by_rank[0].get("parameter_tensors")
+    cpu_median = _steady_median(cpu, warmup)
     classes = sorted({r["optimizer_class"] for r in by_rank})
     return {
         "losses": losses,
@@ -97,6 +99,10 @@ def aggregate_arm(rank_results: list, warmup: int, tokens_per_step: int) -> dict
         "median_step_time_s": median_step,
         "parameter_tensors": tensors,
         "host_us_per_param_per_step": host_us_per_param(median_step, tensors),
+        # Process CPU time per step (all threads of a rank), slowest rank, median over steady steps; per parameter.
+        "cpu_s": cpu,
+        "cpu_s_per_step": cpu_median,
+        "host_cpu_us_per_param_per_step": None if cpu_median is None else host_us_per_param(cpu_median, tensors),
         "startup_s": {k: max(r["startup_s"][k] for r in by_rank) for k in by_rank[0]["startup_s"]},
         "bytes_per_step": bytes_per_step,
         "bytes_per_step_by_op": bytes_by_op,
@@ -158,6 +164,7 @@ def merge_repeats(entries: list) -> dict:
         "comm_busy_s": e.get("comm_busy_s"),
         "exposed_comm_s_per_step": e.get("exposed_comm_s_per_step"),
         "comm_busy_s_per_step": e.get("comm_busy_s_per_step"),
+        "cpu_s_per_step": e.get("cpu_s_per_step"),
         "losses_identical_to_first": e["losses"] == entries[0]["losses"],
     } for e in entries]
     medians = [e["median_step_time_s"] for e in entries]
@@ -174,7 +181,10 @@ def merge_repeats(entries: list) -> dict:
         merged["wire_bytes_inter_node_per_step"] = statistics.median(wires)
     # Like step time: the median over repeats of each repeat's steady-state median. The per-step lists and the
     # timeline stay the first repeat's (each repeat's lists are under "repeats").
-    for key in ("exposed_comm_s_per_step", "comm_busy_s_per_step"):
+    for key in ("exposed_comm_s_per_step", "comm_busy_s_per_step", "cpu_s_per_step"):
         values = [e[key] for e in entries if e.get(key) is not None]
         merged[key] = statistics.median(values) if values else None
+    if merged["cpu_s_per_step"] is not None:
+        merged["host_cpu_us_per_param_per_step"] = host_us_per_param(merged["cpu_s_per_step"],
+                                                                     merged.get("parameter_tensors"))
     return merged

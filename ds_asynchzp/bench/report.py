@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from .timeline_plot import plot_timelines
-from .table import (HOST_COLUMN, LAYOUT_LEGEND, MB, REFERENCE_ARM, host_cell, host_legend, layout_cells,
+from .table import (HOST_COLUMNS, LAYOUT_LEGEND, MB, REFERENCE_ARM, host_cells, host_legend, layout_cells,
                     max_rel_loss_diff, memory_roles, role_bytes, shows_host_overhead)
 
 NA = "n/a"
@@ -258,7 +258,8 @@ def _results_table(arms: dict, stats: dict, config: dict) -> list[str]:
             columns.append((title, lambda a, s, key=key, fmt=fmt: fmt(s[key])))
     host = shows_host_overhead({"config": config})
     if host:
-        columns.append((HOST_COLUMN, lambda a, s: host_cell(arms[a], arms.get(REFERENCE_ARM))))
+        columns += [(title, lambda a, s, i=i: host_cells(arms[a], arms.get(REFERENCE_ARM))[i])
+                    for i, title in enumerate(HOST_COLUMNS)]
     columns += [("peak RSS MB", lambda a, s: _fmt(s["peak_rss"] and s["peak_rss"] / MB, ".1f")),
                 ("model-state MB", lambda a, s: _mb(s["model_state"]))]
     rows = [[fn(arm, stats[arm]) for _, fn in columns] for arm in arms]

@@ -62,12 +62,16 @@ def _row(arm: str, entry: dict, reference: dict | None) -> list[str]:
     ]
 
 
-HOST_COLUMN = "host us/param/step"
+# Column title -> results.json key, shown on the host-overhead preset.
+HOST_COLUMNS = {"host us/param/step": "host_us_per_param_per_step",
+                "host CPU us/param/step": "host_cpu_us_per_param_per_step"}
 HOST_LEGEND = (
     "Host us/param/step: median step time / the model's parameter tensors ({tensors}), in microseconds. On the "
     f"`{HOST_OVERHEAD_PRESET}` preset (many tiny tensors, no arithmetic to speak of) the step is the per-parameter "
     "host work of fetching, releasing and reducing every parameter, so this is that work per parameter per optimizer "
-    "step (in brackets: relative to zero3); on a fast GPU it is the step time.")
+    "step (in brackets: relative to zero3); on a fast GPU it is the step time. Host CPU: the same with the CPU time "
+    "of a rank's process (all its threads) per step, slowest rank, median over steady steps: on a shared host, other "
+    "load moves step times far more than CPU times.")
 
 
 def shows_host_overhead(results: dict) -> bool:
@@ -81,13 +85,14 @@ def host_legend(arms: dict) -> str:
     return HOST_LEGEND.format(tensors=", ".join(map(str, tensors)) or "not recorded")
 
 
-def host_cell(entry: dict, reference: dict | None) -> str:
-    """The arm's host microseconds per parameter per step, with its ratio to the reference arm's."""
-    value = entry.get("host_us_per_param_per_step")
-    if value is None:
-        return "n/a"
-    ref = (reference or {}).get("host_us_per_param_per_step")
-    return f"{value:.0f}" + (f" ({value / ref:.2f}x)" if ref else "")
+def host_cells(entry: dict, reference: dict | None) -> list[str]:
+    """The arm's host microseconds per parameter per step (`HOST_COLUMNS`), each with its ratio to the reference
+    arm's."""
+    cells = []
+    for key in HOST_COLUMNS.values():
+        value, ref = entry.get(key), (reference or {}).get(key)
+        cells.append("n/a" if value is None else f"{value:.0f}" + (f" ({value / ref:.2f}x)" if ref else ""))
+    return cells
 
 
 def memory_roles(arms: dict) -> list[str]:
@@ -174,8 +179,8 @@ def format_table(results: dict) -> str:
     arms = results["arms"]
     reference = arms.get(REFERENCE_ARM)
     host = shows_host_overhead(results)
-    rows = [list(COLUMNS) + [HOST_COLUMN] * host] + [_row(arm, entry, reference) + [host_cell(entry, reference)] * host
-                                                      for arm, entry in arms.items()]
+    rows = [list(COLUMNS) + list(HOST_COLUMNS) * host]
+    rows += [_row(arm, entry, reference) + host_cells(entry, reference) * host for arm, entry in arms.items()]
     config = results.get("config", {})
     legend = (
         f"{config.get('model', '?')} model, {config.get('nproc', '?')} ranks in nodes of "

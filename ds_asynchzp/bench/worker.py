@@ -225,6 +225,9 @@ def run_arm(payload: dict) -> dict:
         if step == steady_from:
             steady_mark, steady_tx = mark, tx_before
         start = time.perf_counter()
+        # CPU time of this rank's process (every thread of it): what the step cost the host, unlike wall time
+        # barely moved by other load on a shared machine.
+        cpu_start = time.process_time()
         loss_sum = 0.0
         for micro in range(grad_accum):
             x, y = batch_for(step, micro, rank, world, micro_batch, seq_len, seed)
@@ -242,6 +245,7 @@ def run_arm(payload: dict) -> dict:
             loss_sum += loss.item()
         end = time.perf_counter()
         elapsed = end - start
+        cpu_elapsed = time.process_time() - cpu_start
         comm = ledger.summary(mark)
         comm_ledger = ledger.get()
         if step == timeline_step:
@@ -260,6 +264,7 @@ def run_arm(payload: dict) -> dict:
             "node_tx_bytes": tx_after - tx_before if link_counter else None,
             "loss": loss_sum / grad_accum,
             "time_s": elapsed,
+            "cpu_s": cpu_elapsed,
             "intra_node": comm["intra_node"],
             "inter_node": comm["inter_node"],
             "calls": comm["calls"],
