@@ -605,3 +605,17 @@ def test_volume_table_by_flow_passes_formula_flows_and_flags_a_planted_mismatch(
     flows["forward gather"]["inter_node"] += moved
     assert not planner.check_results(planted)["ok"]
     assert "| zero3 |" in (table := "\n".join(format_volume_table(planted))) and "off by more than 5 %" in table
+    # Quantization scales recorded apart: the payload ratio leaves them out, the total ratio keeps them.
+    assert "not recorded" in table
+    scaled = copy.deepcopy(results)
+    for entry in scaled["arms"].values():
+        for part in entry["bytes_per_step_by_flow"].values():
+            part["inter_node_scales"] = 0.0
+    reduction = scaled["arms"]["zeropp"]["bytes_per_step_by_flow"]["gradient reduction"]
+    reduction["inter_node_scales"] = reduction["inter_node"] / 2
+    totals = {arm: sum(v["inter_node"] for v in scaled["arms"][arm]["bytes_per_step_by_flow"].values())
+              for arm in ("zero3", "zeropp")}
+    row = next(line for line in format_volume_table(scaled) if line.startswith("| zeropp |")).split(" | ")
+    assert float(row[-3]) == pytest.approx(totals["zeropp"] / totals["zero3"], abs=1e-3)
+    assert float(row[-2]) == pytest.approx((totals["zeropp"] - reduction["inter_node"] / 2) / totals["zero3"],
+                                           abs=1e-3)

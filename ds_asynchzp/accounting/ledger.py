@@ -36,6 +36,11 @@ Families. With AutoEP's experts, every record also belongs to one of three famil
 `expert` (AsyncHZP's expert flows, tagged `asynchzp.expert.*`, and stock ZeRO-3's collectives over an
 expert-data-parallel group), `tokens` (the token all-to-all of an expert-parallel group, which DeepSpeed issues)
 and `dense` (everything else). `set_expert_groups` tells the ledger which groups those are.
+
+Quantization scales. A quantized collective sends integer payload and the fp32 scales that decode it. Each
+record holds the share of its bytes that is scales (`summary()["by_flow"][flow]["inter_node_scales"]`):
+AsyncHZP packs both into one byte buffer and says how much is scales (`carrying_scales`); stock ZeRO++ sends
+its scales as separate floating-point collectives (`count_floating_as_scales`, for a run of it).
 """
 
 from __future__ import annotations
@@ -93,6 +98,7 @@ class CommRecord:
     started: float = 0.0           # time.perf_counter() at issue
     phase: str = ""                # training phase at issue (`set_phase`), for the flow (`flows.flow_of`)
     ended: float = 0.0             # ... at completion (0 while in flight)
+    scale_share: float = 0.0       # the part of its bytes that is quantization scales (`carrying_scales`)
 
 
 def _nbytes(value) -> int:
@@ -127,6 +133,10 @@ class CommLedger:
         self.records: List[CommRecord] = []
         self._lock = threading.Lock()
         self._tags = threading.local()
+        self._scales = threading.local()
+        # Stock ZeRO++ sends its quantization scales as collectives of their own, in fp32 beside the integer
+        # payload (`count_floating_as_scales`); AsyncHZP packs them into the payload (`carrying_scales`).
+        self.floating_scale_ops: frozenset = frozenset()
         self._ranks_cache: Dict[int, tuple] = {}
         self._originals: Dict[str, object] = {}
         self._backend = None
@@ -266,7 +276,7 @@ class CommLedger:
             link = self._link_bytes(kind, total, ranks)
         record = CommRecord(op=kind, method=method, buffer_bytes=total, wire_bytes=wire, group_size=n,
                             group_ranks=tuple(ranks), inter_node=inter, tag=self.current_tag(), link_bytes=link,
-                            phase=self.phase)
+                            phase=self.phase, scale_share=self._scale_share(kind, arguments.get(size_arg)))
         with self._lock:
             self.records.append(record)
         return record
@@ -293,6 +303,32 @@ class CommLedger:
             yield
         finally:
             stack.pop()
+
+    # ------------------------------------------------------------------ quantization scales
+    @contextlib.contextmanager
+    def carrying_scales(self, share: float) -> Iterator[None]:
+        """The collectives issued inside the block (per thread) send quantized rows whose bytes are `share`
+        quantization scales and the rest payload."""
+        previous = getattr(self._scales, "share", 0.0)
+        self._scales.share = share
+        try:
+            yield
+        finally:
+            self._scales.share = previous
+
+    def count_floating_as_scales(self, ops=("all_gather", "all_to_all")) -> None:
+        """From now on a floating-point collective of one of `ops` carries quantization scales: true of a run
+        of stock ZeRO++ with qwZ and qgZ, whose weights and gradients travel as integers and their scales
+        apart, in fp32 (DeepSpeed's unsplittable-gradient fallback is a reduce-scatter, so not counted)."""
+        self.floating_scale_ops = frozenset(ops)
+
+    def _scale_share(self, kind: str, tensor) -> float:
+        share = getattr(self._scales, "share", 0.0)
+        if share or kind not in self.floating_scale_ops:
+            return share
+        while isinstance(tensor, (list, tuple)) and tensor:
+            tensor = tensor[0]
+        return 1.0 if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() else 0.0
 
     # ------------------------------------------------------------------ families
     def set_expert_groups(self, token_groups, expert_groups) -> None:
@@ -339,8 +375,10 @@ class CommLedger:
             out["seconds"] += record.seconds
             for key, name in (("by_op", record.op), ("by_family", self.family_of(record)),
                               ("by_flow", flows.flow_of(record.op, record.tag, record.phase))):
-                part = out[key].setdefault(name, {"intra_node": 0.0, "inter_node": 0.0, "calls": 0})
+                part = out[key].setdefault(name, {"intra_node": 0.0, "inter_node": 0.0, "calls": 0,
+                                                  "intra_node_scales": 0.0, "inter_node_scales": 0.0})
                 part[where] += record.wire_bytes
+                part[where + "_scales"] += record.wire_bytes * record.scale_share
                 part["calls"] += 1
         return out
 
@@ -417,6 +455,10 @@ def note_delay(start: float, end: float) -> None:
 
 def tagged(tag: str):
     return _LEDGER.tagged(tag) if _LEDGER else contextlib.nullcontext()
+
+
+def carrying_scales(share: float):
+    return _LEDGER.carrying_scales(share) if _LEDGER else contextlib.nullcontext()
 
 
 @contextlib.contextmanager

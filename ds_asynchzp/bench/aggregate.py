@@ -84,8 +84,10 @@ def aggregate_arm(rank_results: list, warmup: int, tokens_per_step: int) -> dict
         bytes_by_family = {f: {w: sum(s.get("by_family", {}).get(f, {}).get(w, 0.0) for s in steady) / n_ranks
                                for w in where} for f in families}
         flows = sorted({f for s in steady for f in s.get("by_flow", {})})
+        # Each flow's bytes, and the part of them that is quantization scales.
+        flow_keys = (*where, *(w + "_scales" for w in where))
         bytes_by_flow = {f: {w: sum(s.get("by_flow", {}).get(f, {}).get(w, 0.0) for s in steady) / n_ranks
-                             for w in where} for f in flows}
+                             for w in flow_keys} for f in flows}
         if readers:
             wire = sum(r["steady_bytes_per_step"]["node_tx_bytes"] for r in readers) / n_ranks
 

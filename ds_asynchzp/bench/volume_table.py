@@ -25,6 +25,14 @@ def volume_rows(results: dict) -> tuple[list[dict], dict]:
     return list(rows.values()), report
 
 
+def _scale_bytes(results: dict, arm: str, flows) -> float | None:
+    """Cross-node bytes of quantization scales per rank per optimizer step; None from results that predate
+    the split."""
+    by_flow = (results.get("arms", {}).get(arm) or {}).get("bytes_per_step_by_flow") or {}
+    recorded = [by_flow[f]["inter_node_scales"] for f in flows if "inter_node_scales" in (by_flow.get(f) or {})]
+    return sum(recorded) if recorded else None
+
+
 def _published(arm: str, report: dict, dtype_bytes: float) -> dict | None:
     inp, el = report["inputs"], report["elements"]
     t = traffic.TrafficInputs(world=inp["world"], node_size=inp["node_size"], grad_accum=inp["grad_accum"],
@@ -43,18 +51,28 @@ def format_volume_table(results: dict) -> list[str]:
         return []
     grad_accum = report["inputs"]["grad_accum"]
     flows = volume.TABLE_FLOWS
-    header = ["arm", *(f"{f} MB" for f in flows), "total MB", "per micro-step vs zero3", "formulas"]
+    header = ["arm", *(f"{f} MB" for f in flows), "total MB", "of which scales MB", "vs zero3", "payload vs zero3",
+              "formulas"]
     totals = {row["arm"]: sum(row["measured"].values()) for row in rows}
+    scales = {row["arm"]: _scale_bytes(results, row["arm"], flows) for row in rows}
     lines = ["## Cross-node volume by flow (ZeRO++'s table)", "",
-             "Per rank per optimizer step, measured by the ledger (ring model, payload and scales together) / "
-             "predicted by the planner's formulas (`planner/volume.py`); a gather counts in the phase it was "
-             f"issued in. {grad_accum} micro-steps per optimizer step.", "",
+             "Per rank per optimizer step, measured by the ledger (ring model, payload and quantization scales "
+             "together) / predicted by the planner's formulas (`planner/volume.py`); a gather counts in the phase "
+             f"it was issued in. {grad_accum} micro-steps per optimizer step. The scales are measured apart: "
+             "stock ZeRO++ sends them as fp32 collectives of their own, AsyncHZP packs them into each quantized "
+             "row (one fp32 scale per block). The ratios to zero3 are the same per optimizer step and per "
+             "micro-step (every arm has the same micro-steps).", "",
              "| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    ref = totals.get("zero3")
     for row in rows:
+        arm = row["arm"]
         cells = [f"{row['measured'].get(f, 0.0) / MB:.3f} / {row['predicted'].get(f, 0.0) / MB:.3f}" for f in flows]
-        ref = totals.get("zero3")
-        ratio = f"{totals[row['arm']] / ref:.3f}" if ref else "n/a"
-        lines.append("| " + " | ".join([row["arm"], *cells, f"{totals[row['arm']] / MB:.3f}", ratio,
+        ratio = f"{totals[arm] / ref:.3f}" if ref else "n/a"
+        known = scales[arm] is not None and scales.get("zero3") is not None
+        payload_ratio = (f"{(totals[arm] - scales[arm]) / (ref - scales['zero3']):.3f}" if ref and known
+                         else "n/a")
+        scale_cell = "not recorded" if scales[arm] is None else f"{scales[arm] / MB:.3f}"
+        lines.append("| " + " | ".join([arm, *cells, f"{totals[arm] / MB:.3f}", scale_cell, ratio, payload_ratio,
                                           "within 5 %" if row["ok"] else "**off by more than 5 %**"]) + " |")
     b = DTYPE_BYTES.get(report["inputs"]["dtype"], 4)
     published = {arm: _published(arm, report, b) for arm in ("zero3", "zeropp")}

@@ -73,6 +73,14 @@ def _uses_zeropp_quantizer(ds_config: dict) -> bool:
     return any(zero.get(key) for key in ZEROPP_QUANTIZER_KEYS)
 
 
+def _stock_scale_ops(ds_config: dict) -> tuple:
+    """The ops whose floating-point collectives carry stock ZeRO++'s scales: qwZ gathers INT8 weights and
+    their scales; qgZ's all-to-alls send INT4 gradients and their scales."""
+    zero = ds_config.get("zero_optimization") or {}
+    return tuple(op for key, op in (("zero_quantized_weights", "all_gather"),
+                                    ("zero_quantized_gradients", "all_to_all")) if zero.get(key))
+
+
 def _peak_rss_bytes() -> int:
     # Linux reports ru_maxrss in KiB.
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
@@ -184,6 +192,8 @@ def run_arm(payload: dict) -> dict:
     if _uses_zeropp_quantizer(payload["ds_config"]):
         # Stock qwZ / qgZ (the zeropp arm): DeepSpeed's quantizer is CUDA-only, ours stands in on CPU ranks.
         install_cpu_zeropp_quantizer()
+    if _stock_scale_ops(payload["ds_config"]):
+        ledger.get().count_floating_as_scales(_stock_scale_ops(payload["ds_config"]))
     torch.manual_seed(seed)
     model = build_bench_model(payload["model"], payload["moe_experts"], payload["seq_len"], seed)
     engine, *_ = ds_asynchzp.initialize(model=model,
@@ -288,8 +298,8 @@ def run_arm(payload: dict) -> dict:
               "by_family": {name: {"intra_node": v["intra_node"] / steady_steps,
                                    "inter_node": v["inter_node"] / steady_steps}
                             for name, v in totals["by_family"].items()},
-              "by_flow": {name: {"intra_node": v["intra_node"] / steady_steps,
-                                 "inter_node": v["inter_node"] / steady_steps}
+              "by_flow": {name: {key: v[key] / steady_steps for key in
+                                 ("intra_node", "inter_node", "intra_node_scales", "inter_node_scales")}
                           for name, v in totals["by_flow"].items()}}
 
     result = {

@@ -27,7 +27,8 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from .. import ops
-from ..quantization import QuantFormat
+from ..accounting import ledger
+from ..quantization import SCALE_BYTES, QuantFormat
 from ..platform.process_groups import Group
 from .collectives import all_gather as _all_gather
 from .collectives import all_to_all as _all_to_all
@@ -48,6 +49,9 @@ class RowLayout:
             start += length
         self.numel = start
         self.row_bytes = offset
+        # What the ledger counts as scales (the alignment padding before them counts as payload).
+        scale_bytes = sum(SCALE_BYTES * fmt.blocks(length) for _, length, _ in self.pieces)
+        self.scale_share = scale_bytes / offset if offset else 0.0
 
     def views(self, rows: torch.Tensor, piece: Tuple[int, int, int]):
         """(values [k, value_bytes], scales [k, blocks]) of one segment in a [k, row_bytes] uint8 buffer."""
@@ -125,7 +129,8 @@ def reduce_scatter(out: torch.Tensor, send: torch.Tensor, group: Group, fmt: Qua
     packed = scratch(pool, "q_send", k * layout.row_bytes, torch.uint8, send.device)
     _quantize_rows(send, packed, layout, pool, residual)
     received = scratch(pool, "q_recv", k * layout.row_bytes, torch.uint8, send.device)
-    _all_to_all(received, packed, group).wait()
+    with ledger.carrying_scales(layout.scale_share):
+        _all_to_all(received, packed, group).wait()
     rows = received.view(k, layout.row_bytes)
     for piece in layout.pieces:
         start, length, _ = piece
@@ -147,7 +152,8 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, fmt: QuantFor
     packed = scratch(pool, "q_send", layout.row_bytes, torch.uint8, inp.device)
     _quantize_rows(inp.view(1, n), packed, layout, pool, None)
     received = scratch(pool, "q_recv", k * layout.row_bytes, torch.uint8, inp.device)
-    _all_gather(received, packed, group).wait()
+    with ledger.carrying_scales(layout.scale_share):
+        _all_gather(received, packed, group).wait()
     rows = received.view(k, layout.row_bytes)
     target = out.view(k, n)
     for piece in layout.pieces:
