@@ -34,6 +34,21 @@ def test_time_model_waits_for_the_link_on_the_training_thread_and_hides_a_micro_
     assert time_model.predicted_step_s("asynchzp", 1.0, link, 4) == pytest.approx(1.07)
     assert time_model.predicted_step_s("asynchzp-q", 1.0, 0.1, 4) == pytest.approx(1.0)
     assert time_model.link_seconds(1e6, 4, None) == 0.0
+    # Only the cross-node share of the exposure is replaced by the link: waits inside a node stay.
+    assert time_model.predicted_step_s("hpz", 1.0, link, 4, unshaped_exposed_s=0.5,
+                                       crossing_share=0.4) == pytest.approx(1.0 - 0.2 + 0.32)
+
+
+def test_cross_node_share_counts_waits_while_a_cross_node_collective_is_in_flight():
+    timeline = {"waits": [{"start": 0.0, "end": 1.0}, {"start": 2.0, "end": 3.0}, {"start": 2.5, "end": 3.5}],
+                "collectives": [
+                    {"thread": "MainThread", "inter_node": True, "start": 0.5, "end": 2.25},    # 0.5 + 0.25
+                    {"thread": "MainThread", "inter_node": False, "start": 3.0, "end": 3.5},   # inside a node
+                    {"thread": "asynchzp-boundary", "inter_node": True, "start": 3.0, "end": 3.5}]}  # a thread's
+    # Waits: [0, 1] and [2, 3.5], 2.5 s; while crossing: [0.5, 1] and [2, 2.25].
+    assert time_model.cross_node_share(timeline) == pytest.approx(0.75 / 2.5)
+    assert time_model.cross_node_share(None) == 1.0
+    assert time_model.cross_node_share({"waits": [], "collectives": []}) == 1.0
 
 
 def _fake_sweep(monkeypatch, measured_100: dict) -> dict:

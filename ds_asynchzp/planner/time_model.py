@@ -11,6 +11,15 @@ collectives are bound by the host, not by a fast link) and the link's time::
 
     step(rate) = step(unshaped) - exposed(unshaped) + max(exposed(unshaped), link_s(rate))
 
+Only the cross-node part of ``exposed(unshaped)`` is replaced by the link's time: an arm that also waits on
+collectives inside a node (hpZ's secondary gathers, AsyncHZP's micro-step flows) keeps those waits. That part
+is the share of the training thread's waits spent while one of its own cross-node collectives was in flight,
+read from the unshaped run's drawn step (`cross_node_share`; the whole exposure where no timeline was
+recorded)::
+
+    exposed_x = exposed(unshaped) * cross_node_share
+    step(rate) = step(unshaped) - exposed_x + max(exposed_x, link_s(rate))
+
 AsyncHZP crosses nodes once per optimizer step, from its boundary thread: the gradient exchange runs under the
 last backward and the parameter refresh under the next forward, so about one micro-step of compute hides it::
 
@@ -44,11 +53,43 @@ def link_seconds(link_bytes_per_rank: float, ranks_per_node: int, rate_bits_s: f
     return link_bytes_per_rank * ranks_per_node * overhead * 8.0 / rate_bits_s
 
 
+def _union(intervals) -> list:
+    merged: list = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def cross_node_share(timeline: dict | None) -> float:
+    """Of the training thread's waits in a drawn step (`results.json` ``timeline``), the share spent while a
+    cross-node collective the training thread issued was in flight; 1.0 without a timeline or waits."""
+    if not timeline:
+        return 1.0
+    waits = _union((w["start"], w["end"]) for w in timeline.get("waits", ()))
+    total = sum(end - start for start, end in waits)
+    if total <= 0:
+        return 1.0
+    crossing = _union((c["start"], c["end"]) for c in timeline.get("collectives", ())
+                      if c.get("inter_node") and c.get("thread") == "MainThread")
+    overlap, i, j = 0.0, 0, 0
+    while i < len(waits) and j < len(crossing):
+        overlap += max(0.0, min(waits[i][1], crossing[j][1]) - max(waits[i][0], crossing[j][0]))
+        if waits[i][1] < crossing[j][1]:
+            i += 1
+        else:
+            j += 1
+    return overlap / total
+
+
 def predicted_step_s(arm: str, unshaped_step_s: float, link_s: float, grad_accum: int,
-                     overrides: dict | None = None, unshaped_exposed_s: float = 0.0) -> float:
+                     overrides: dict | None = None, unshaped_exposed_s: float = 0.0,
+                     crossing_share: float = 1.0) -> float:
     if runs_on_threads(arm, overrides):
         return unshaped_step_s + max(0.0, link_s - unshaped_step_s / grad_accum)
-    exposed = min(max(unshaped_exposed_s, 0.0), unshaped_step_s)
+    exposed = min(max(unshaped_exposed_s, 0.0), unshaped_step_s) * min(max(crossing_share, 0.0), 1.0)
     return unshaped_step_s - exposed + max(exposed, link_s)
 
 
@@ -96,7 +137,8 @@ def check_sweep(sweep: dict) -> dict:
             overrides = (config.get("arm_overrides") or {}).get(arm, {}).get("async_hzp")
             link_s = link_seconds(float(link_bytes), int(config["node_size"]), bits, overhead)
             predicted = predicted_step_s(arm, t0, link_s, int(config["grad_accum"]), overrides,
-                                         unshaped_entry.get("exposed_comm_s_per_step") or 0.0)
+                                         unshaped_entry.get("exposed_comm_s_per_step") or 0.0,
+                                         cross_node_share(unshaped_entry.get("timeline")))
             measured = entry["median_step_time_s"]
             rel = (measured - predicted) / predicted
             rows.append({"rate": rate, "arm": arm, "measured": measured, "predicted": predicted,
