@@ -87,8 +87,9 @@ def format_sweep(sweep: dict) -> str:
     lines += _md(header, rows)
     check = check_sweep(sweep)
     lines += ["", "Step time, measured against the planner's time model (`planner/time_model.py`: from the unshaped "
-                  "step, communication on the training thread takes the longer of its unshaped time and the node "
-                  "link's time for the step's bytes; AsyncHZP's threads hide up to one micro-step of it):", ""]
+                  "step, the cross-node communication the training thread waited for takes the longer of its "
+                  "unshaped time and the node link's time for the step's bytes; AsyncHZP's threads hide up to one "
+                  "micro-step of it):", ""]
     lines += _md(["rate", "arm", "measured s", "predicted s", "diff", ""],
                  [[r["rate"], r["arm"], f"{r['measured']:.3f}", f"{r['predicted']:.3f}", f"{r['rel_diff']:+.1%}",
                    "ok" if r["ok"] else "MISS"] for r in check["rows"]])
