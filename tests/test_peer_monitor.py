@@ -237,6 +237,34 @@ def test_a_whole_killed_node_is_named_on_every_survivor(node):
         assert elapsed < NAMED_WITHIN_S, elapsed
 
 
+@pytest.mark.parametrize("silent_node", [0, 1])
+def test_a_diagnosis_names_the_silent_ranks_and_their_host(monkeypatch, silent_node):
+    # What a rank whose collective failed says about ranks whose heartbeat stopped. A silent rank of its own host
+    # identity is alive (its pid is checked), so stopped or hung; a whole node gone resets the connections to it,
+    # and the collective fails long before its ranks' silence makes them lost: those may have ended.
+    monkeypatch.setattr(peer_monitor, "POLL_S", 0.02)   # the diagnosis watches the heartbeats for 5 polls
+    with ring(4, node_of=lambda rank: f"node-{rank // 2}") as made:
+        made.run(0.1)
+        witness = made.monitors[3]
+        witness._thread = threading.Thread(target=lambda: None)   # stands for its poll thread: it is diagnosing
+        if silent_node == 1:
+            made.kill(0, 1)
+        else:
+            made.running.discard(2)                    # rank 2 stops beating, its process alive (SIGSTOP)
+        made.running.discard(3)
+        beating = threading.Thread(target=made.run, args=(1.0,))   # the others keep polling meanwhile
+        beating.start()
+        text = witness.whereabouts(ticket=0)
+        beating.join()
+    host = witness.host  # every rank of the ring has this machine's hostname
+    if silent_node == 1:
+        assert f"no heartbeat for 0.1 s from rank(s) 0, 1 on {host}: stopped (SIGSTOP, a debugger), hung, or " \
+               "ended (a node that went down silences all its ranks)" in text, text
+    else:
+        assert text.endswith(f"no heartbeat for 0.1 s from rank(s) 2 on {host}: stopped (SIGSTOP, a debugger) or "
+                             "hung"), text
+
+
 def test_a_rank_that_closed_hands_the_watch_on():
     # Rank 2 ends cleanly (not lost); its watcher, rank 1, then watches rank 3, which is killed later.
     with ring(4, node_of=lambda rank: f"container-{rank}") as made:

@@ -389,9 +389,20 @@ class PeerMonitor:
         if behind:
             parts.append("ranks that have not reached it: " + ", ".join(behind))
         if silent:
-            parts.append(f"no heartbeat for {HEARTBEAT_EVERY * POLL_S + POLL_S:.1f} s from rank(s) "
-                         f"{', '.join(map(str, silent))}: stopped (SIGSTOP, a debugger) or hung")
+            parts.append(self._describe_silent(silent))
         if not behind and not silent:
             parts.append("every rank has started it and is alive: a collective inside it is stuck (a rank issued "
                          "a different collective, or the network is down)")
         return "; ".join(parts)
+
+    def _describe_silent(self, silent: list) -> str:
+        """Ranks whose heartbeat stopped, with their hosts. One of this rank's host identity is alive (a dead one
+        is named lost by its pid before any diagnosis), so stopped or hung; one on another host may as well have
+        ended, with its whole node: a collective to it fails (connection reset) before REMOTE_SILENCE_S."""
+        hosts = ", ".join(sorted({self.peers[peer].host for peer in silent}))
+        if all(self.peers[peer].local for peer in silent):
+            why = "stopped (SIGSTOP, a debugger) or hung"
+        else:
+            why = "stopped (SIGSTOP, a debugger), hung, or ended (a node that went down silences all its ranks)"
+        return (f"no heartbeat for {HEARTBEAT_EVERY * POLL_S + POLL_S:.1f} s from rank(s) "
+                f"{', '.join(map(str, silent))} on {hosts}: {why}")
