@@ -12,11 +12,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import shlex
 import signal
 import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
@@ -26,118 +23,28 @@ from ds_asynchzp import planner
 from ds_asynchzp.accounting import traffic
 from ds_asynchzp.bench.launch import free_port, remove_cpu_comm_workspaces
 from ds_asynchzp.config import resolve_layout
-from ds_asynchzp.netem import EmulationUnavailable, preflight, tracking
+from ds_asynchzp.netem import tracking
 from ds_asynchzp.netem import cli
+from tests.cluster_harness import (CLI, DEEPSPEED, DOC_DEEPSPEED, REPO_ROOT, RUN_TIMEOUT_S, Run, doc_text, env,
+                                   losses, namespaces, needs_netns, with_options)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIG = REPO_ROOT / "examples" / "ds_config_asynchzp.json"
-_SCRIPT = Path(sys.executable).with_name("asynchzp-cluster")
-# The installed entry point, as users run it; the module where the package is used without installing it.
-CLI = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "ds_asynchzp.netem.cli"]
-# What docs/multinode.md tells users to run (test_the_docs_show_these_commands keeps the two equal).
-DOC_DEEPSPEED = ("asynchzp-cluster --nodes 2 --ranks-per-node 2 --bw 200mbit -- deepspeed --hostfile {hostfile} "
-                 "--no_ssh --node_rank {node_rank} --master_addr {master_addr} --master_port {master_port} "
-                 "--num_gpus 2 examples/train.py --deepspeed_config examples/ds_config_asynchzp.json")
 DOC_TORCHRUN = ("asynchzp-cluster --nodes 2 --bw 200mbit -- torchrun --nnodes {nnodes} --nproc-per-node 2 "
                 "--node-rank {node_rank} --master-addr {master_addr} --master-port {master_port} "
                 "examples/train.py --deepspeed_config examples/ds_config_asynchzp.json")
 LONG_STEPS, SHORT_STEPS = 6, 2
-RUN_TIMEOUT_S = 240
 LOST_WITHIN_S = 60
-
-
-def _unavailable_reason() -> str | None:
-    try:
-        preflight()
-    except EmulationUnavailable as exc:
-        return str(exc)
-    probe = subprocess.run(["unshare", "--uts", "--pid", "--fork", "--mount-proc", "true"], capture_output=True,
-                           text=True)
-    return None if probe.returncode == 0 else f"unshare --uts --pid failed: {probe.stderr.strip()}"
-
-
-REASON = _unavailable_reason()
-if REASON:
-    print(f"asynchzp-cluster tests skipped: {REASON}")
-needs_netns = pytest.mark.skipif(REASON is not None, reason=f"namespaces unavailable: {REASON}")
-
-
-def _env() -> dict:
-    # One OpenMP thread per rank on every run, the reference included: the losses are compared bit for bit.
-    return {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-
-
-def _with_options(doc_command: str, options: list[str], wrap: list[str] = (), train_args: list[str] = ()) -> list:
-    """The documented command with extra asynchzp-cluster options, a wrapper before the node command, and more
-    arguments for train.py."""
-    words = shlex.split(doc_command)
-    cut = words.index("--")
-    return [*CLI, *words[1:cut], *options, "--", *wrap, *words[cut + 1:], *train_args]
-
-
-class Run:
-    """asynchzp-cluster as a child process; its output lines are collected with their arrival times."""
-
-    def __init__(self, argv: list[str]):
-        self.proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)
-        self.lines: list[tuple[float, str]] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append((time.monotonic(), line.rstrip("\n")))
-
-    @property
-    def output(self) -> str:
-        return "\n".join(line for _, line in self.lines)
-
-    def wait_for(self, pattern: str, timeout: float) -> float:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            hit = next((t for t, line in self.lines if re.search(pattern, line)), None)
-            if hit is not None:
-                return hit
-            assert self.proc.poll() is None, f"ended before {pattern!r}:\n{self.output[-4000:]}"
-            time.sleep(0.1)
-        pytest.fail(f"no line matching {pattern!r} within {timeout} s:\n{self.output[-4000:]}")
-
-    def finish(self, timeout: float = RUN_TIMEOUT_S + 60) -> int:
-        try:
-            code = self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.terminate()  # the CLI stops its nodes and removes its namespaces on SIGTERM
-            self.proc.wait(timeout=60)
-            pytest.fail(f"asynchzp-cluster did not end in {timeout} s:\n{self.output[-4000:]}")
-        self._reader.join(timeout=10)
-        return code
-
-    @property
-    def prefix(self) -> str:
-        return f"ahzp{self.proc.pid}"  # the cluster's namespaces: ahzp<pid of asynchzp-cluster>n<i>
-
-
-def _namespaces(prefix: str) -> list[str]:
-    # Exactly this cluster's: "ahzp12n0".startswith("ahzp1") would also catch another run's namespaces.
-    return [ns for ns in tracking.list_namespaces() if re.fullmatch(rf"{prefix}(n\d+|sw)", ns)]
 
 
 def _train(doc_command: str, steps: int, tmp: Path, options=(), wrap=()) -> dict:
     bytes_out = tmp / "bytes.json"
-    run = Run(_with_options(doc_command, ["--timeout", str(RUN_TIMEOUT_S), "--bytes-out", str(bytes_out), *options],
-                            wrap, ["--steps", str(steps), "--log-every", "1", "--print-losses"]))
+    run = Run(with_options(doc_command, ["--timeout", str(RUN_TIMEOUT_S), "--bytes-out", str(bytes_out), *options],
+                           wrap, ["--steps", str(steps), "--log-every", "1", "--print-losses"]))
     start = time.monotonic()
     code = run.finish()
     assert code == 0, f"exit code {code}:\n{run.output[-6000:]}"
-    assert _namespaces(run.prefix) == [], "the emulated cluster was not torn down"
+    assert namespaces(run.prefix) == [], "the emulated cluster was not torn down"
     return {"out": run.output, "bytes": json.loads(bytes_out.read_text()), "seconds": time.monotonic() - start}
-
-
-def _losses(out: str) -> list[float]:
-    match = re.search(r"^\[node 0\] losses=(\S+)$", out, re.M)
-    assert match, f"no losses line from node 0:\n{out[-4000:]}"
-    return [float(x) for x in match.group(1).split(",")]
 
 
 def _check_trained_with_asynchzp_on_two_nodes(out: str) -> None:
@@ -151,11 +58,11 @@ def one_node(deepspeed_cpu_ops):
     """The reference: examples/train.py on one node of 4 ranks under the deepspeed launcher, with node_size 2
     (LOCAL_WORLD_SIZE, which AsyncHZP reads before the launcher's LOCAL_SIZE): the same layout and global batch."""
     port = free_port()
-    cmd = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", "4", "--master_port", str(port),
+    cmd = [str(DEEPSPEED), "--num_gpus", "4", "--master_port", str(port),
            "examples/train.py", "--deepspeed_config", str(CONFIG), "--steps", str(LONG_STEPS), "--log-every", "1",
            "--print-losses"]
     try:
-        done = subprocess.run(cmd, cwd=REPO_ROOT, env={**_env(), "LOCAL_WORLD_SIZE": "2"}, capture_output=True,
+        done = subprocess.run(cmd, cwd=REPO_ROOT, env={**env(), "LOCAL_WORLD_SIZE": "2"}, capture_output=True,
                               text=True, timeout=RUN_TIMEOUT_S)
     finally:
         remove_cpu_comm_workspaces("*", port)  # single node: DeepSpeed's CPU comm op left its /dev/shm buffers
@@ -190,7 +97,7 @@ def test_deepspeed_launcher_on_two_nodes_trains_as_one_node_does(deepspeed_run, 
     _check_trained_with_asynchzp_on_two_nodes(out)
     # fp32, the same groups (d_p = d_g = 2, d_o = 4), data and seed: every sum is done in the same order, so the
     # losses are bit-identical; only the transport (TCP between namespaces vs loopback) differs.
-    assert _losses(out) == one_node
+    assert losses(out) == one_node
 
 
 @needs_netns
@@ -200,7 +107,7 @@ def test_torchrun_on_two_nodes_with_one_hostname_trains_to_the_end(torchrun_run,
     assert sorted(n for n, _, _ in hosts) == ["0", "1"], out[-4000:]
     assert len({h for _, h, _ in hosts}) == 1 and len({ns for _, _, ns in hosts}) == 2, hosts
     _check_trained_with_asynchzp_on_two_nodes(out)  # no "rank ... was lost" from the peer monitor
-    assert _losses(out) == one_node[:SHORT_STEPS]
+    assert losses(out) == one_node[:SHORT_STEPS]
 
 
 @needs_netns
@@ -229,8 +136,7 @@ def test_link_bytes_per_step_match_the_prediction(deepspeed_run, torchrun_run, c
 
 def test_the_docs_show_these_commands():
     for doc in (REPO_ROOT / "docs" / "multinode.md", REPO_ROOT / "README.md"):
-        text = re.sub(r"\s*\\\n\s*", " ", doc.read_text())  # join continued lines
-        text = re.sub(r"[ \t]+", " ", text)
+        text = doc_text(doc)
         assert DOC_DEEPSPEED in text, doc
         if doc.name == "multinode.md":
             assert DOC_TORCHRUN in text, doc
@@ -253,7 +159,7 @@ def _pids_of_rank(namespace: str, rank: int) -> list[int]:
 @needs_netns
 def test_a_rank_killed_on_node_1_ends_node_0_naming_it(deepspeed_cpu_ops):
     # --grace 60: asynchzp-cluster leaves node 0 alone for as long as the ranks have to end by themselves.
-    run = Run(_with_options(DOC_DEEPSPEED, ["--timeout", str(RUN_TIMEOUT_S), "--grace", str(LOST_WITHIN_S)],
+    run = Run(with_options(DOC_DEEPSPEED, ["--timeout", str(RUN_TIMEOUT_S), "--grace", str(LOST_WITHIN_S)],
                             train_args=["--steps", "500", "--log-every", "1"]))
     try:
         run.wait_for(r"^\[node 0\] step +1 ", RUN_TIMEOUT_S)
@@ -273,7 +179,7 @@ def test_a_rank_killed_on_node_1_ends_node_0_naming_it(deepspeed_cpu_ops):
     about_3 = "\n".join(line[:400] for line in out.splitlines() if "rank 3" in line or "rank(s) 3" in line)
     assert silent == [], f"ranks {silent} of node 0 did not name rank 3 as lost; lines about it:\n{about_3}"
     assert code != 0
-    assert _namespaces(run.prefix) == []
+    assert namespaces(run.prefix) == []
 
 
 @needs_netns
@@ -295,7 +201,7 @@ def test_a_signal_mid_run_leaves_no_namespace_and_no_node_process(sig, ignore_te
         if run.proc.poll() is None:
             run.proc.kill()
     assert f"received {sig.name}: stopping node(s) 0, 1" in run.output
-    assert _namespaces(run.prefix) == []
+    assert namespaces(run.prefix) == []
     assert [pid for pid in pids if tracking.pid_alive(pid)] == []
     assert not hostfile.parent.exists()
 
@@ -313,12 +219,12 @@ def test_node_processes_die_when_asynchzp_cluster_is_killed():
         run.proc.kill()
         assert run.finish(timeout=30) == -signal.SIGKILL
         end = time.monotonic() + 20
-        while (_namespaces(run.prefix) or any(map(tracking.pid_alive, pids))) and time.monotonic() < end:
+        while (namespaces(run.prefix) or any(map(tracking.pid_alive, pids))) and time.monotonic() < end:
             time.sleep(0.2)
     finally:
         if run.proc.poll() is None:
             run.proc.kill()
-    assert _namespaces(run.prefix) == [] and [pid for pid in pids if tracking.pid_alive(pid)] == []
+    assert namespaces(run.prefix) == [] and [pid for pid in pids if tracking.pid_alive(pid)] == []
     hostfile.unlink()
     hostfile.parent.rmdir()
 
@@ -348,7 +254,7 @@ def test_nodes_get_their_own_hostname_pid_namespace_environment_and_placeholders
                                                                        "node2 slots=4"]
     record = json.loads((tmp_path / "b.json").read_text())
     assert record["nodes"] == 3 and record["exit_code"] == 2 and set(record["links"]) == {"0", "1", "2"}
-    assert "total tx" in out and _namespaces(run.prefix) == []
+    assert "total tx" in out and namespaces(run.prefix) == []
 
 
 @needs_netns
@@ -356,7 +262,7 @@ def test_timeout_stops_a_command_that_runs_forever():
     run = Run([*CLI, "--timeout", "1", "--", "sleep", "1000"])
     assert run.finish(timeout=60) == 124
     assert "the command did not end within --timeout 1 s" in run.output
-    assert _namespaces(run.prefix) == []
+    assert namespaces(run.prefix) == []
 
 
 # ----- errors found before anything is built (no root needed) -------------------------------------------------
