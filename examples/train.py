@@ -98,14 +98,15 @@ def main():
     seq_len = getattr(model.config, "seq_len", SEQ_LEN)  # the GPT presets fix theirs; the Mixtral takes 64
     losses = []
     for step in range(start, args.steps):
-        total = torch.zeros(1, dtype=torch.float64)
+        # On the engine's device: NCCL reduces device tensors only, and the sum stays there until the step ends.
+        total = torch.zeros(1, dtype=torch.float64, device=engine.device)
         for micro in range(accumulation):
             inputs, targets = micro_batch_for(step, micro, rank, world, accumulation, micro_batch, seq_len,
                                               args.seed)
             loss = engine(inputs.to(engine.device), targets.to(engine.device))
             engine.backward(loss)
             engine.step()  # applies the optimizer only at the accumulation boundary
-            total += loss.detach().double().cpu()
+            total += loss.detach().double()
         # The mean over the global batch: the same number on every rank, and at every world size.
         torch.distributed.all_reduce(total)
         losses.append(total.item() / (world * accumulation))
