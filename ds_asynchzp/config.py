@@ -394,7 +394,9 @@ def resolve_prefetch_depth(section: AsyncHZPConfig, ds_config: dict) -> int:
     section asks for it; anything else (DeepSpeed's default 5e7, a number, HF's "auto") leaves it on."""
     if section.prefetch_depth is not None:
         return section.prefetch_depth
-    bucket = (ds_config.get("zero_optimization") or {}).get("stage3_prefetch_bucket_size")
+    zero = ds_config.get("zero_optimization") or {}
+    # DeepSpeed takes the field by either name.
+    bucket = zero.get("stage3_prefetch_bucket_size", zero.get("prefetch_bucket_size"))
     return 0 if bucket in (0, 0.0) else DEFAULT_PREFETCH_DEPTH
 
 

@@ -326,6 +326,15 @@ def test_good_config_resolves(monkeypatch, cfg, world, local, env, kwargs, expec
     assert not dist.is_initialized()
 
 
+@pytest.mark.parametrize("zero, depth", [({}, 2), ({"stage3_prefetch_bucket_size": 0}, 0),
+                                         ({"prefetch_bucket_size": 0}, 0), ({"stage3_prefetch_bucket_size": "auto"}, 2),
+                                         ({"stage3_prefetch_bucket_size": 5e7}, 2)])
+def test_prefetch_depth_follows_deepspeeds_prefetch_switch_by_either_name(zero, depth):
+    from ds_asynchzp.config import resolve_prefetch_depth
+    assert resolve_prefetch_depth(AsyncHZPConfig(), {"zero_optimization": zero}) == depth
+    assert resolve_prefetch_depth(AsyncHZPConfig(prefetch_depth=1), {"zero_optimization": zero}) == 1
+
+
 def test_scheduling_keys_resolve_and_bad_values_name_the_key():
     layout = resolve_layout(make({"async_comm": False, "prefetch_depth": 0, "boundary_bucket_size": 1000,
                                   "comm_timeout_s": 30}), 8, 4)

@@ -177,6 +177,12 @@ def _link_fraction(group_size: int, nodes_spanned: int) -> float:
     return nodes_spanned / group_size if nodes_spanned >= 2 else 0.0
 
 
+def zeropp_qgz_hop_bytes(qgz_elements: float, node_size: int, nodes: int) -> float:
+    """Stock qgZ's cross-node hop per micro-step: the node-reduced 1/G slice of the INT4 gradient, exchanged
+    between one rank per node."""
+    return ZEROPP_INT4_BYTES * qgz_elements / node_size * _ring(nodes) if nodes > 1 else 0.0
+
+
 def _ring_link_share(groups: list[list[int]], g: int) -> float:
     """Mean over ranks: is my ring successor (group order, wrapping) on another node?"""
     crossing = sum(1 for grp in groups for i, r in enumerate(grp) if grp[(i + 1) % len(grp)] // g != r // g)
@@ -209,7 +215,7 @@ def link_bytes(arm: str, t: TrafficInputs, param_shard_size: int = None, grad_sh
         # of the node-reduced INT4 slice between one rank per node (every byte of it on a link); the gradients
         # it cannot split are reduce-scattered over the world.
         q = t.reduced_elements if t.qgz_elements is None else t.qgz_elements
-        hop = ZEROPP_INT4_BYTES * q / g * _ring(nodes) if nodes > 1 else 0.0
+        hop = zeropp_qgz_hop_bytes(q, g, nodes)
         fallback = rs * t.grad_comm_bytes * (t.reduced_elements - q) * world_fraction
         return ZEROPP_INT8_BYTES * t.trainable_elements * world_fraction + a * (hop + fallback)
     if not arm.startswith("asynchzp"):

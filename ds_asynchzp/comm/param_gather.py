@@ -5,8 +5,9 @@ module in forward and backward. One all-gather per dtype (a concatenation would 
 parameter gathered with an fp32 one); each member contributes its T_p atoms of every requested parameter, and
 the gathered [d_p, T_p, atom] block is transposed into a pool buffer per parameter, in atom order.
 
-The gathers run as jobs of the `gather` thread. Each job first waits for the parameter refresh of the columns
-it reads (the once-per-step refresh runs on the boundary thread, overlapped with the forward). The handle the
+The gathers run as jobs of the `gather` flow: its thread, or inline on the training thread when nothing is
+gathered ahead. Each job first waits for the parameter refresh of the columns it reads (the once-per-step
+refresh runs on the boundary thread, overlapped with the forward). The handle the
 coordinator waits on publishes the parameters; their buffers go back to the pool when the coordinator releases
 them (`released`).
 

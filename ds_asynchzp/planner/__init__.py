@@ -78,8 +78,8 @@ def arm_quantization(arm: str, world: int, node_size: int, d_p: int, d_g: int, d
                              values["quantize_cross_node"], values["gradient_quantization_bits"],
                              values["quantization_block_size"], values["error_feedback"])
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-INT8_BYTES = 1.0
-INT4_BYTES = 0.5
+INT8_BYTES = traffic.ZEROPP_INT8_BYTES
+INT4_BYTES = traffic.ZEROPP_INT4_BYTES
 
 # --------------------------------------------------------------------------------------------- parsing
 _COUNT_SUFFIX = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}

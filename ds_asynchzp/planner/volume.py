@@ -21,11 +21,8 @@ from ..accounting import traffic
 
 INT8_BYTES = traffic.ZEROPP_INT8_BYTES
 INT4_BYTES = traffic.ZEROPP_INT4_BYTES
+_ring = traffic._ring
 TABLE_FLOWS = (F.FORWARD_GATHER, F.BACKWARD_GATHER, F.GRADIENT_REDUCTION, F.PARAMETER_REFRESH)
-
-
-def _ring(n: int) -> float:
-    return (n - 1) / n
 
 
 def zero3_flows(t: traffic.TrafficInputs) -> dict:
@@ -53,7 +50,7 @@ def zeropp_flows(t: traffic.TrafficInputs, quantizable_elements: int | None = No
         return out
     q = t.reduced_elements if quantizable_elements is None else quantizable_elements
     nodes = t.world // t.node_size
-    two_hop = INT4_BYTES * q / t.node_size * _ring(nodes)
+    two_hop = traffic.zeropp_qgz_hop_bytes(q, t.node_size, nodes)
     fallback = t.grad_comm_bytes * (t.reduced_elements - q) * _ring(t.world)
     out[F.GRADIENT_REDUCTION] = t.grad_accum * (two_hop + fallback)
     return out

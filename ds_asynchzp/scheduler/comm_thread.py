@@ -14,7 +14,8 @@ recorded on its stream; every `Pending.wait` makes the waiting stream wait on it
 function has already returned (on the device that only means its kernels are enqueued). On CPU the collectives
 are synchronous inside the job, so a completed job means the data is ready.
 
-`InlineRunner` has the same interface and runs each job at once on the caller's thread (`async_comm: false`),
+`InlineRunner` has the same interface and runs each job at once on the caller's thread (`async_comm: false`, or
+the gather flow when nothing is gathered ahead),
 on the same stream and with the same events: the same collectives, the same order, the same arithmetic.
 """
 
@@ -181,7 +182,8 @@ class CommThread:
 
 
 class InlineRunner:
-    """`async_comm: false`: every job runs at once on the submitting thread, on the flow's stream."""
+    """`async_comm: false`, or a flow that needs no thread: every job runs at once on the submitting thread, on
+    the flow's stream."""
 
     def __init__(self, name: str, timeout: float, order: Optional[IssueOrder] = None, stream=None, diagnose=None):
         self.name = name
@@ -201,7 +203,7 @@ class InlineRunner:
         pending = Pending(what, group, self.timeout, ticket=self.order.ticket(), inline=True)
         started = time.perf_counter()
         try:
-            # Every earlier job ran at its submit, so the turn is this job's at once.
+            # Under the total order this waits until the other flows' threads have issued every earlier job.
             with self.order.turn(pending.ticket, self.name, what, group), streams.use(self.stream):
                 value, done = _run_on_stream(job, after, self.stream)
             pending.finish(value=value, done_event=done)
