@@ -58,7 +58,10 @@ def ds_config(case: dict) -> dict:
     if case.get("dtype") == "fp16":
         config["fp16"] = {"enabled": True, "initial_scale_power": 8}
     if case.get("async_hzp") is not None:
-        config["async_hzp"] = dict({"prefetch_depth": REPLAY_DEPTH}, **case["async_hzp"])
+        # Under the no-prefetch knobs the replay is asked for, so that it stays exercised; with DeepSpeed's
+        # default knobs the depth resolves by itself.
+        replay = {} if case.get("default_knobs") else {"prefetch_depth": REPLAY_DEPTH}
+        config["async_hzp"] = dict(replay, **case["async_hzp"])
     config.update(case.get("ds_extra", {}))
     if case.get("autoep_size"):
         from ds_asynchzp.bench.moe_model import autoep_config

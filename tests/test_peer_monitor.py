@@ -242,7 +242,10 @@ def test_a_diagnosis_names_the_silent_ranks_and_their_host(monkeypatch, silent_n
     # What a rank whose collective failed says about ranks whose heartbeat stopped. A silent rank of its own host
     # identity is alive (its pid is checked), so stopped or hung; a whole node gone resets the connections to it,
     # and the collective fails long before its ranks' silence makes them lost: those may have ended.
-    monkeypatch.setattr(peer_monitor, "POLL_S", 0.02)   # the diagnosis watches the heartbeats for 5 polls
+    # The diagnosis watches the heartbeats for HEARTBEAT_EVERY + 1 polls (0.1 s here): a heartbeat every poll
+    # lets a live rank show one in that window however busy the machine.
+    monkeypatch.setattr(peer_monitor, "POLL_S", 0.05)
+    monkeypatch.setattr(peer_monitor, "HEARTBEAT_EVERY", 1)
     with ring(4, node_of=lambda rank: f"node-{rank // 2}") as made:
         made.run(0.1)
         witness = made.monitors[3]
