@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -43,6 +44,29 @@ REASON = _unavailable_reason()
 if REASON:
     print(f"asynchzp-cluster tests skipped: {REASON}")
 needs_netns = pytest.mark.skipif(REASON is not None, reason=f"namespaces unavailable: {REASON}")
+
+
+def launch_deepspeed(env: dict, num_gpus: int, script: str, *args: str, timeout: float = RUN_TIMEOUT_S) -> str:
+    """Run `script` on `num_gpus` CPU ranks of this machine under the real deepspeed launcher; assert it exits 0
+    and return its output."""
+    from ds_asynchzp.bench.launch import free_port, remove_cpu_comm_workspaces
+
+    # A free port keeps concurrent runs from colliding on the launcher's default 29500.
+    port = free_port()
+    cmd = [str(DEEPSPEED), "--num_gpus", str(num_gpus), "--master_port", str(port), script, *args]
+    # start_new_session lets a timeout kill every rank, not just the launcher.
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{script} did not finish in {timeout} s; output tail:\n{out[-4000:]}")
+    finally:
+        remove_cpu_comm_workspaces("*", port)   # the deepspeed launcher leaves DeepSpeed's behind
+    assert proc.returncode == 0, f"exit code {proc.returncode}; output tail:\n{out[-4000:]}"
+    return out
 
 
 def env() -> dict:

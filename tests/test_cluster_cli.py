@@ -13,7 +13,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -21,12 +20,11 @@ import pytest
 
 from ds_asynchzp import planner
 from ds_asynchzp.accounting import traffic
-from ds_asynchzp.bench.launch import free_port, remove_cpu_comm_workspaces
 from ds_asynchzp.config import resolve_layout
 from ds_asynchzp.netem import tracking
 from ds_asynchzp.netem import cli
-from tests.cluster_harness import (CLI, DEEPSPEED, DOC_DEEPSPEED, REPO_ROOT, RUN_TIMEOUT_S, Run, doc_text, env,
-                                   losses, namespaces, needs_netns, with_options)
+from tests.cluster_harness import (CLI, DOC_DEEPSPEED, REPO_ROOT, RUN_TIMEOUT_S, Run, doc_text, env,
+                                   launch_deepspeed, losses, namespaces, needs_netns, with_options)
 
 CONFIG = REPO_ROOT / "examples" / "ds_config_asynchzp.json"
 DOC_TORCHRUN = ("asynchzp-cluster --nodes 2 --bw 200mbit -- torchrun --nnodes {nnodes} --nproc-per-node 2 "
@@ -57,19 +55,10 @@ def _check_trained_with_asynchzp_on_two_nodes(out: str) -> None:
 def one_node(deepspeed_cpu_ops):
     """The reference: examples/train.py on one node of 4 ranks under the deepspeed launcher, with node_size 2
     (LOCAL_WORLD_SIZE, which AsyncHZP reads before the launcher's LOCAL_SIZE): the same layout and global batch."""
-    port = free_port()
-    cmd = [str(DEEPSPEED), "--num_gpus", "4", "--master_port", str(port),
-           "examples/train.py", "--deepspeed_config", str(CONFIG), "--steps", str(LONG_STEPS), "--log-every", "1",
-           "--print-losses"]
-    try:
-        done = subprocess.run(cmd, cwd=REPO_ROOT, env={**env(), "LOCAL_WORLD_SIZE": "2"}, capture_output=True,
-                              text=True, timeout=RUN_TIMEOUT_S)
-    finally:
-        remove_cpu_comm_workspaces("*", port)  # single node: DeepSpeed's CPU comm op left its /dev/shm buffers
-    out = done.stdout + done.stderr
-    assert done.returncode == 0, out[-4000:]
+    out = launch_deepspeed({**env(), "LOCAL_WORLD_SIZE": "2"}, 4, "examples/train.py", "--deepspeed_config",
+                           str(CONFIG), "--steps", str(LONG_STEPS), "--log-every", "1", "--print-losses")
     assert "world=4 (2 node(s) x 2 ranks)" in out, out[-4000:]
-    return [float(x) for x in re.search(r"^losses=(\S+)$", out, re.M).group(1).split(",")]
+    return losses(out, node_prefix="")
 
 
 @pytest.fixture(scope="module")

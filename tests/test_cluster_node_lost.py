@@ -20,10 +20,9 @@ import time
 
 import pytest
 
-from ds_asynchzp.bench.launch import free_port, remove_cpu_comm_workspaces
 from ds_asynchzp.netem import tracking
-from tests.cluster_harness import (DEEPSPEED, DOC_DEEPSPEED, REPO_ROOT, RUN_TIMEOUT_S, Run, doc_text, env, losses,
-                                   namespaces, needs_netns, with_options)
+from tests.cluster_harness import (DOC_DEEPSPEED, REPO_ROOT, RUN_TIMEOUT_S, Run, doc_text, env, launch_deepspeed,
+                                   losses, namespaces, needs_netns, with_options)
 
 CONFIG = REPO_ROOT / "examples" / "ds_config_asynchzp.json"
 SAVE_EVERY = 3
@@ -105,17 +104,8 @@ def resumed(node_lost, tmp_path_factory):
     config["checkpoint"] = {"load_universal": True}
     resume_config = tmp_path_factory.mktemp("resume") / "ds_config_resume.json"
     resume_config.write_text(json.dumps(config, indent=2))
-    port = free_port()
-    cmd = [str(DEEPSPEED), "--num_gpus", "2", "--master_port", str(port), "examples/train.py", "--deepspeed_config",
-           str(resume_config), "--load-dir", str(ckpt), "--steps", str(RESUME_TO), "--log-every", "1",
-           "--print-losses"]
-    try:
-        done = subprocess.run(cmd, cwd=REPO_ROOT, env=env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-    finally:
-        remove_cpu_comm_workspaces("*", port)  # one node: DeepSpeed's CPU comm op left its /dev/shm buffers
-    out = done.stdout + done.stderr
-    assert done.returncode == 0, out[-4000:]
-    return out
+    return launch_deepspeed(env(), 2, "examples/train.py", "--deepspeed_config", str(resume_config), "--load-dir",
+                            str(ckpt), "--steps", str(RESUME_TO), "--log-every", "1", "--print-losses")
 
 
 @needs_netns

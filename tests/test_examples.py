@@ -6,21 +6,17 @@ import json
 import math
 import os
 import re
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from ds_asynchzp.config import resolve_layout, section_from_ds_config
-from ds_asynchzp.bench.launch import free_port, remove_cpu_comm_workspaces
+from tests.cluster_harness import launch_deepspeed
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO_ROOT / "examples"
 CONFIGS = ["ds_config_zero3.json", "ds_config_hpz.json", "ds_config_asynchzp.json", "ds_config_moe.json"]
 # The launcher is installed next to the interpreter running the tests.
-DEEPSPEED = Path(sys.executable).with_name("deepspeed")
 TIMEOUT_S = 240
 
 
@@ -67,22 +63,7 @@ def _launch_train(env: dict, *extra: str, config: str = "ds_config_asynchzp.json
 
 def _launch(env: dict, script: str, *args: str) -> str:
     """Run an example script on 4 CPU ranks under the real deepspeed launcher; return its output."""
-    # A free port keeps concurrent runs from colliding on the launcher's default 29500.
-    port = free_port()
-    cmd = [str(DEEPSPEED), "--num_gpus", "4", "--master_port", str(port), script, *args]
-    # start_new_session lets a timeout kill every rank, not just the launcher.
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{script} did not finish in {TIMEOUT_S} s; output tail:\n{out[-4000:]}")
-    finally:
-        remove_cpu_comm_workspaces("*", port)   # the deepspeed launcher leaves DeepSpeed's behind
-    assert proc.returncode == 0, f"exit code {proc.returncode}; output tail:\n{out[-4000:]}"
-    return out
+    return launch_deepspeed(env, 4, script, *args, timeout=TIMEOUT_S)
 
 
 def _assert_trained_with_asynchzp(out: str) -> tuple:
