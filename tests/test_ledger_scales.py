@@ -63,5 +63,6 @@ def test_stock_scales_are_the_floating_point_collectives_of_the_quantized_ops():
     all_to_all(torch.zeros(64, dtype=torch.int8), ints)                  # qgZ payload: 32 bytes
     all_to_all(torch.zeros(4, dtype=torch.float32), floats)              # its scales: 8 bytes
     reduce_scatter(torch.zeros(4, dtype=torch.float32), torch.zeros(8))  # the fp32 fallback: payload, 16 bytes
+    all_gather(torch.zeros(8, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.bfloat16))  # a frozen bf16 weight: 8
     total, scales = _scales(ledger)
-    assert total == pytest.approx(16 + 64 + 16 + 32 + 8 + 16) and scales == pytest.approx(16 + 8)
+    assert total == pytest.approx(16 + 64 + 16 + 32 + 8 + 16 + 8) and scales == pytest.approx(16 + 8)

@@ -40,7 +40,7 @@ and `dense` (everything else). `set_expert_groups` tells the ledger which groups
 Quantization scales. A quantized collective sends integer payload and the fp32 scales that decode it. Each
 record holds the share of its bytes that is scales (`summary()["by_flow"][flow]["inter_node_scales"]`):
 AsyncHZP packs both into one byte buffer and says how much is scales (`carrying_scales`); stock ZeRO++ sends
-its scales as separate floating-point collectives (`count_floating_as_scales`, for a run of it).
+its scales as separate fp32 collectives (`count_floating_as_scales`, for a run of it).
 """
 
 from __future__ import annotations
@@ -317,9 +317,10 @@ class CommLedger:
             self._scales.share = previous
 
     def count_floating_as_scales(self, ops=("all_gather", "all_to_all")) -> None:
-        """From now on a floating-point collective of one of `ops` carries quantization scales: true of a run
-        of stock ZeRO++ with qwZ and qgZ, whose weights and gradients travel as integers and their scales
-        apart, in fp32 (DeepSpeed's unsplittable-gradient fallback is a reduce-scatter, so not counted)."""
+        """From now on an fp32 collective of one of `ops` carries quantization scales: true of a run of stock
+        ZeRO++ with qwZ and qgZ, whose weights and gradients travel as integers and their scales apart, in fp32
+        (DeepSpeed's unsplittable-gradient fallback is a reduce-scatter, so not counted; the unquantized gather of
+        a frozen parameter is in the training dtype, so not counted either, except in an fp32 run)."""
         self.floating_scale_ops = frozenset(ops)
 
     def _scale_share(self, kind: str, tensor) -> float:
@@ -328,7 +329,7 @@ class CommLedger:
             return share
         while isinstance(tensor, (list, tuple)) and tensor:
             tensor = tensor[0]
-        return 1.0 if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() else 0.0
+        return 1.0 if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float32 else 0.0
 
     # ------------------------------------------------------------------ families
     def set_expert_groups(self, token_groups, expert_groups) -> None:

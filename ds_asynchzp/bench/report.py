@@ -38,8 +38,9 @@ CONSISTENCY_RTOL = 1e-6
 CPU_OVERLAP_CAVEAT = (
     "**CPU testbed caveat.** Stock ZeRO-3 and ZeRO++ overlap communication with compute on CUDA streams "
     "(`overlap_comm`, the coordinator's prefetch); DeepSpeed's CPU accelerator has no streams, so on these CPU "
-    "ranks their collectives run on the training thread whatever the knobs say, while AsyncHZP's run on its own "
-    "threads. Part of any speed-up measured here therefore comes from the testbed; the `asynchzp-sync` arm (the "
+    "ranks `overlap_comm` does nothing and their collectives are issued on the training thread (the prefetch's "
+    "asynchronous gathers still progress on gloo's own threads), while AsyncHZP's run on its own threads. Part of "
+    "any speed-up measured here therefore comes from the testbed; the `asynchzp-sync` arm (the "
     "same placement, nothing on threads) against `zero3` isolates what the placement alone gives.")
 
 

@@ -16,7 +16,7 @@ from typing import Callable
 
 from ..planner.time_model import check_sweep, load_sweep
 
-REFERENCE_ARM = "zero3"
+from .table import REFERENCE_ARM
 UNSHAPED = "unlimited"
 
 
@@ -51,11 +51,12 @@ def run_sweep(args: argparse.Namespace, run_one: Callable[[argparse.Namespace], 
         run_one(one)
         sweep["runs"][rate] = f"{rate_dir(rate)}/results.json"
         (out / "sweep.json").write_text(json.dumps(sweep, indent=2) + "\n", encoding="utf-8")
-    table = format_sweep(load_sweep(out / "sweep.json"))
+    loaded = load_sweep(out / "sweep.json")
+    table = format_sweep(loaded)
     (out / "sweep.md").write_text(table + "\n", encoding="utf-8")
     print("\n" + table, flush=True)
     if not args.no_report:
-        plot_speedup(load_sweep(out / "sweep.json"), out / "speedup_vs_bandwidth.png")
+        plot_speedup(loaded, out / "speedup_vs_bandwidth.png")
         print(f"plot: {out / 'speedup_vs_bandwidth.png'}", flush=True)
     return sweep
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 from ..accounting import traffic
 from ..planner import check_results
 from ..planner import volume
+from .table import MB
 
-MB = 1e6
 
 
 def volume_rows(results: dict) -> tuple[list[dict], dict]:

@@ -192,8 +192,9 @@ def run_arm(payload: dict) -> dict:
     if _uses_zeropp_quantizer(payload["ds_config"]):
         # Stock qwZ / qgZ (the zeropp arm): DeepSpeed's quantizer is CUDA-only, ours stands in on CPU ranks.
         install_cpu_zeropp_quantizer()
-    if _stock_scale_ops(payload["ds_config"]):
-        ledger.get().count_floating_as_scales(_stock_scale_ops(payload["ds_config"]))
+    scale_ops = _stock_scale_ops(payload["ds_config"])
+    if scale_ops:
+        ledger.get().count_floating_as_scales(scale_ops)
     torch.manual_seed(seed)
     model = build_bench_model(payload["model"], payload["moe_experts"], payload["seq_len"], seed)
     engine, *_ = ds_asynchzp.initialize(model=model,
