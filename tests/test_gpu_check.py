@@ -83,3 +83,30 @@ def test_a_cpu_dry_run_runs_every_part_that_needs_no_gpu(tmp_path, deepspeed_cpu
     assert checks["losses equal stock ZeRO-3"]["passed"]
     assert "CUDA sanitizer" not in checks and "memory flat after warm-up" not in checks   # CUDA only
     assert {row["arm"] for row in checks["communication"]["details"]["rows"]} == {"zero3", "sync", "async"}
+
+
+def test_an_arm_that_fails_or_times_out_keeps_the_others_results(tmp_path, monkeypatch):
+    """One arm's time-out (on a GPU the sanitized arm is the slow one) or crash must not lose the other arms'
+    checks, and the report carries the end of the failure (the rank logs live in a temporary directory)."""
+    from ds_asynchzp.bench import launch
+
+    def fake_launch(target, nproc, node_size, payload, **kwargs):
+        name = kwargs["workdir"].rsplit("/", 1)[-1]
+        if name == "async":
+            raise TimeoutError(f"{target} timed out after 38s; ranks still running: [0, 1]\nlast lines: stuck")
+        if name == "sync":
+            raise launch.RankFailure("rank 1 of 2 failed: exit code 1\nTraceback ...\nValueError: boom", 1, 1,
+                                     "rank1.log")
+        return _ranks([2.0, 1.5])
+
+    monkeypatch.setattr(launch, "launch_local", fake_launch)
+    args = cli.argparse.Namespace(ranks=2, model="tiny", grad_accum=1, micro_batch=1, warmup=1, steps=2, seq_len=8,
+                                  sleep_cycles=0, sanitizer=True, sanitizer_steps=1, arm_timeout=1.0)
+    checks = _by_name(cli.run_training(args, cuda=False, work=tmp_path))
+    ran = checks["training arms ran"]
+    assert ran["passed"] is False and "sync:" in ran["summary"] and "async:" in ran["summary"]
+    assert "ValueError: boom" in ran["details"]["failure tails"]["sync"]
+    assert "timed out" in ran["details"]["failure tails"]["async"]
+    assert {row["arm"] for row in checks["communication"]["details"]["rows"]} == {"zero3"}
+    text = render_markdown(_result(list(checks.values())))
+    assert "ValueError: boom" in text

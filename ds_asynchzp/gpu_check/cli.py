@@ -124,7 +124,7 @@ def run_training(args, cuda: bool, work: Path) -> List[Dict]:
     world = gpus if gpus >= 2 else args.ranks
     node_size = 2 if world % 2 == 0 and world > 2 else world
     base_env = {"DS_ACCELERATOR": "cuda" if cuda else "cpu"}
-    results, failures, sanitizer_reports = {}, {}, None
+    results, failures, failure_tails, sanitizer_reports = {}, {}, {}, None
     for arm in _arms(args.sanitizer and cuda):
         payload = {"backend": backend, "model": args.model, "seed": 7, "ds_config":
                    _ds_config("async" if arm == "sanitized" else arm, node_size, args.grad_accum, args.micro_batch),
@@ -138,13 +138,21 @@ def run_training(args, cuda: bool, work: Path) -> List[Dict]:
         try:
             results[arm] = launch_local("ds_asynchzp.gpu_check.worker:run_arm", world, node_size, payload,
                                         timeout_s=args.arm_timeout, workdir=str(logs), env=env)
-        except RankFailure as failure:
-            failures[arm] = str(failure).splitlines()[0][:400] + f" (logs: {failure.log_path})"
+        except (RankFailure, TimeoutError) as failure:
+            # One arm's failure or time-out keeps the others' results. The logs live in a temporary directory:
+            # the report keeps the failure's first line and its end.
+            lines = str(failure).splitlines()
+            failures[arm] = lines[0][:400]
+            failure_tails[arm] = "\n".join(lines[-30:])
         _progress(f"arm '{arm}' {'done' if arm in results else 'failed'} in {time.monotonic() - started:.0f} s")
         if arm == "sanitized":
             sanitizer_reports = [str(path) for path in sorted(logs.glob("rank*.log"))
                                  if SANITIZER_MARK in path.read_text(errors="replace")]
-    return _training_checks(results, failures, sanitizer_reports, world, backend)
+    checks = _training_checks(results, failures, sanitizer_reports, world, backend)
+    for check in checks:
+        if check["name"] == "training arms ran":
+            check["details"]["failure tails"] = failure_tails
+    return checks
 
 
 def _rel(a: List[float], b: List[float]) -> float:
@@ -222,7 +230,8 @@ def run_checks(args) -> Dict:
                            "sleep_cycles": args.sleep_cycles, "zero3_knobs": "DeepSpeed's defaults"},
               "checks": []}
     sizes = [size.strip() for size in args.sizes.split(",") if size.strip()]
-    sections = [("ops", lambda: [check_ops(device)]), ("ops bandwidth", lambda: [bench_ops(device, sizes)])]
+    sections = [] if args.skip_ops else [("ops", lambda: [check_ops(device)]),
+                                         ("ops bandwidth", lambda: [bench_ops(device, sizes)])]
     with tempfile.TemporaryDirectory(prefix="asynchzp-gpu-check-") as work:
         sections.append(("training", lambda: run_training(args, cuda, Path(work))))
         for name, section in sections:
@@ -250,6 +259,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="torch.cuda._sleep cycles after every module's forward in the threaded arms")
     parser.add_argument("--sizes", default="1M,64M", help="op sizes for the bandwidth table")
     parser.add_argument("--no-sanitizer", dest="sanitizer", action="store_false")
+    parser.add_argument("--skip-ops", action="store_true", help="training checks only (the ops checked elsewhere)")
     parser.add_argument("--sanitizer-steps", type=int, default=3, help="steps under the sanitizer (slow)")
     parser.add_argument("--arm-timeout", type=float, default=240.0, help="seconds per training arm")
     # Runs every part that can run without CUDA, on CPU ranks, to test the command itself.

@@ -59,6 +59,8 @@ def render_markdown(result: Dict) -> str:
         rows = check.get("details", {}).get("rows")
         if rows:
             lines += [f"## {check['name']}", "", _table(rows), ""]
+        for arm, tail in check.get("details", {}).get("failure tails", {}).items():
+            lines += [f"## {check['name']}: the end of arm '{arm}''s failure", "", "```", tail, "```", ""]
     return "\n".join(lines).rstrip() + "\n"
 
 

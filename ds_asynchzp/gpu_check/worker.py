@@ -84,6 +84,12 @@ def run_arm(payload: dict) -> dict:
     from ..bench.model import MODEL_PRESETS, build_model
 
     device = _device()
+    if payload["backend"] == "gloo" and device.type == "cuda":
+        # Ranks sharing one GPU: DeepSpeed takes cuda:LOCAL_RANK (process group, engine, zero.Init), a device only
+        # rank 0 has. The emulated node's local rank is not read past this point (the package reads
+        # LOCAL_WORLD_SIZE), so it becomes the shared device's index; the group joins unbound, and DeepSpeed adopts it.
+        os.environ["LOCAL_RANK"] = str(device.index)
+        torch.distributed.init_process_group("gloo")
     deepspeed.init_distributed(dist_backend=payload["backend"])
     rank, world = deepspeed.comm.get_rank(), deepspeed.comm.get_world_size()
     model = build_model(MODEL_PRESETS[payload["model"]], seed=payload["seed"])
@@ -93,8 +99,8 @@ def run_arm(payload: dict) -> dict:
         for module in model.modules():
             module.register_forward_hook(lambda *_: torch.cuda._sleep(cycles))
     timer = _JobTimer().install() if cuda else None
-    engine, *_ = ds_asynchzp.initialize(model=model, model_parameters=[p for p in model.parameters()
-                                                                       if p.requires_grad],
+    engine, *_ = ds_asynchzp.initialize(model=model,
+                                        model_parameters=[p for p in model.parameters() if p.requires_grad],
                                         config=payload["ds_config"])
     # Nothing inside the measured steps synchronises the host with the device (no .item(), no event wait):
     # losses and step times are read once the run is over, so every race window stays as wide as in training.

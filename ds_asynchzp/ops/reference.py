@@ -97,7 +97,9 @@ def block_scales(blocks: torch.Tensor, qmax: int) -> torch.Tensor:
     block holding inf or NaN (see quant_math.h for why)."""
     finite = torch.isfinite(blocks).all(dim=1)
     absmax = torch.where(finite, blocks.abs().amax(dim=1), torch.zeros_like(blocks[:, 0]))
-    s = absmax / qmax
+    # A tensor divisor: torch on CUDA turns a division by a Python scalar into a multiplication by its reciprocal,
+    # which is not the correctly rounded quotient the kernels compute (one ulp off for some blocks at qmax 7).
+    s = absmax / torch.full_like(absmax, qmax)
     s = torch.where(s * qmax < absmax, torch.nextafter(s, torch.full_like(s, float("inf"))), s)
     s = torch.where(torch.isinf(s * qmax), torch.nextafter(s, torch.zeros_like(s)), s)
     return torch.where(finite, s, torch.full_like(s, float("nan")))
