@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib
 
 from .config import ResolvedLayout, resolve_layout, section_from_ds_config
-from .errors import AsyncHZPConfigError, AsyncHZPNotActiveError
+from .errors import AsyncHZPConfigError, AsyncHZPNotActiveError, PartitionWriteError
 
 __version__ = "0.1.0"
 
@@ -48,7 +48,8 @@ def __getattr__(name: str):
 
 __all__ = [
     "initialize", "register", "unregister", "is_registered", "resolve_for_initialize", "ledger",
-    "AsyncHZPConfigError", "AsyncHZPNotActiveError", "AsyncHZPEngine", "HierarchicalZeroOptimizer",
+    "AsyncHZPConfigError", "AsyncHZPNotActiveError", "PartitionWriteError", "AsyncHZPEngine",
+    "HierarchicalZeroOptimizer",
     "ResolvedLayout", "resolve_layout", "section_from_ds_config", "SUPPORTED_DEEPSPEED_VERSION", "__version__",
     "install_cpu_zeropp_quantizer",
 ]

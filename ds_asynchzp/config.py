@@ -233,7 +233,7 @@ def _issues_from_validation(err: ValidationError) -> list[ConfigIssue]:
     return issues
 
 
-def _load_ds_config(ds_config: dict | str | os.PathLike) -> dict:
+def load_ds_config(ds_config: dict | str | os.PathLike) -> dict:
     if isinstance(ds_config, (str, os.PathLike)):
         path = Path(ds_config)
         try:
@@ -253,7 +253,7 @@ def section_from_ds_config(ds_config: dict | str | os.PathLike) -> AsyncHZPConfi
     Returns None when the section is absent or ``enabled`` is false. The
     section is validated even when disabled so that typos are not hidden.
     """
-    raw = _load_ds_config(ds_config).get(SECTION)
+    raw = load_ds_config(ds_config).get(SECTION)
     if raw is None:
         return None
     if not isinstance(raw, dict):
@@ -296,6 +296,9 @@ class ResolvedLayout:
     gradient_quantization_bits: int = 8
     quantization_block_size: int = 512
     error_feedback: bool = False
+    # False for an engine built without an optimizer (a frozen reference model, a teacher, evaluation): it gets
+    # stock ZeRO-3's parameter-only engine with its parameters sharded over d_p inside the node (runtime/api.py).
+    has_optimizer: bool = True
 
     def grid(self) -> HierarchicalLayout:
         return HierarchicalLayout(self.world_size, self.node_size, self.param_shard_size, self.grad_shard_size,
@@ -326,6 +329,11 @@ class ResolvedLayout:
     def describe(self) -> str:
         """One line for rank 0's log: every size with its replica count, and why "auto" chose it."""
         w = self.world_size
+        if not self.has_optimizer:
+            return (f"async_hzp layout: world={w} ({self.num_nodes} node(s) x {self.node_size} ranks); no optimizer: "
+                    f"DeepSpeed's parameter-only ZeRO-3 engine, parameters sharded over d_p={self.param_shard_size} "
+                    "inside the node (ZeRO++'s hierarchical partition, zero_hpz_partition_size): after its first "
+                    "gather a parameter is gathered inside the node")
         text = (
             f"async_hzp layout: world={w} ({self.num_nodes} node(s) x {self.node_size} ranks); "
             f"params sharded over d_p={self.param_shard_size} ({_replicas(w // self.param_shard_size)}), "
@@ -549,11 +557,11 @@ def resolve_layout(
     if local_world_size is not None and (type(local_world_size) is not int or local_world_size < 1):
         raise ValueError(f"local_world_size must be a positive int or None, got {local_world_size!r}")
 
-    ds_config = _load_ds_config(ds_config)
+    ds_config = load_ds_config(ds_config)
     section = section_from_ds_config(ds_config)
     if section is None:
         return None
-    issues = compat_issues(ds_config, has_client_optimizer) + _quantization_issues(section)
+    issues = compat_issues(ds_config) + _quantization_issues(section)
     if issues:
         raise AsyncHZPConfigError(issues)
 
@@ -599,4 +607,5 @@ def resolve_layout(
                           quantize_cross_node=section.quantize_cross_node,
                           gradient_quantization_bits=section.gradient_quantization_bits,
                           quantization_block_size=section.quantization_block_size,
-                          error_feedback=section.error_feedback)
+                          error_feedback=section.error_feedback,
+                          has_optimizer=bool(ds_config.get("optimizer")) or has_client_optimizer)

@@ -15,7 +15,7 @@ def value_in(section: Any, key: str) -> Any:
     return section.get(key) if isinstance(section, dict) else None
 
 
-def compat_issues(ds_config: dict, has_client_optimizer: bool) -> list[ConfigIssue]:
+def compat_issues(ds_config: dict) -> list[ConfigIssue]:
     """Settings elsewhere in the ds_config that AsyncHZP needs or cannot combine with.
 
     Key spellings checked against DeepSpeed 0.19.8: ``zero_quantized_nontrainable_weights`` is a field of
@@ -105,12 +105,6 @@ def compat_issues(ds_config: dict, has_client_optimizer: bool) -> list[ConfigIss
                                   "hooks, so it is not supported together with async_hzp.",
                                   "set compile.deepcompile to false, or remove the async_hzp section."))
 
-    if not ds_config.get("optimizer") and not has_client_optimizer:
-        issues.append(ConfigIssue(
-            "optimizer", "is not configured and no client optimizer was passed; async_hzp shards optimizer states "
-            "and needs the optimizer at initialization.",
-            'add an "optimizer" section, e.g. {"type": "AdamW", "params": {"lr": 1e-4}}, '
-            "or pass optimizer= to deepspeed.initialize."))
     return issues
 
 

@@ -68,3 +68,8 @@ class CheckpointError(RuntimeError):
 class GradientMismatchError(RuntimeError):
     """Ranks of one gradient group reduced different parameters in the same backward: a parameter got a gradient
     on some ranks and none on others. Stock ZeRO-3 cannot train that either (its reduce-scatter sizes differ)."""
+
+
+class PartitionWriteError(RuntimeError):
+    """Code outside DeepSpeed rebound a parameter's partition (`param.ds_tensor.data = ...`) in a layout where the
+    other ranks' copies of that partition cannot follow it without a collective (d_p < d_o)."""

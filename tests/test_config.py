@@ -99,7 +99,6 @@ BAD = [
     ("stage-missing", make(drop=["zero_optimization.stage"]), 8, 4, {}, {}, "zero_optimization.stage"),
     ("stage-2", make(zero={"stage": 2}), 8, 4, {}, {}, "zero_optimization.stage"),
     ("no-zero-section", make(drop=["zero_optimization"]), 8, 4, {}, {}, "zero_optimization.stage"),
-    ("no-optimizer", make(drop=["optimizer"]), 8, 4, {}, {}, "optimizer"),
     ("hpz", make(zero={"zero_hpz_partition_size": 4}), 8, 4, {}, {}, "zero_optimization.zero_hpz_partition_size"),
     ("qgZ", make(zero={"zero_quantized_gradients": True}), 8, 4, {}, {}, "zero_optimization.zero_quantized_gradients"),
     ("qwZ", make(zero={"zero_quantized_weights": True}), 8, 4, {}, {}, "zero_optimization.zero_quantized_weights"),
@@ -180,7 +179,7 @@ def test_independent_problems_are_reported_together():
                tensor_parallel={"autotp_size": 4}, compile={"deepcompile": True})
     with pytest.raises(AsyncHZPConfigError) as info:
         resolve_layout(cfg, 8, 4)
-    assert set(info.value.keys) == {"zero_optimization.stage", "zero_optimization.zero_quantized_weights", "optimizer",
+    assert set(info.value.keys) == {"zero_optimization.stage", "zero_optimization.zero_quantized_weights",
                                     "tensor_parallel.autotp_size", "compile.deepcompile"}
     assert not dist.is_initialized()
 
@@ -274,6 +273,8 @@ GOOD = [
     ("node-size-from-local-size", make(), 8, None, {"LOCAL_SIZE": "2"}, {}, (2, 2, 8)),
     ("single-rank", make(), 1, 1, {}, {}, (1, 1, 1)),
     ("client-optimizer", make(drop=["optimizer"]), 8, 4, {}, {"has_client_optimizer": True}, (4, 4, 8)),
+    # No optimizer (a reference model's engine): accepted, with the parameter-only placement (runtime/api.py).
+    ("no-optimizer", make(drop=["optimizer"]), 8, 4, {}, {}, (4, 4, 8)),
     ("harmless-zero-keys", make(zero={"zero_hpz_partition_size": 1, "offload_param": {"device": "none"}}), 8, 4, {}, {},
      (4, 4, 8)),
     ("reduce-scatter-false", make(zero={"reduce_scatter": False}), 8, 4, {}, {}, (4, 4, 8)),

@@ -1,5 +1,5 @@
-"""The accumulation window of the gradient shard, in one process: what survives a step, what a discard drops,
-and the first backward's copy (Stage 3's semantics; tests/test_fuzz_parity.py checks them against stock on
+"""The accumulation window of the gradient shard, in one process: what survives a step, what a reopened window
+keeps aside, and the first backward's copy (Stage 3's semantics; tests/test_fuzz_parity.py checks them against stock on
 several ranks).
 
 Stock Stage 3 copies each reduced gradient into its partition in a window's first backward, adds afterwards,
@@ -7,6 +7,7 @@ and never zeroes the partition: a parameter without a gradient in a window steps
 gradient shard's own row is that partition.
 """
 
+import pytest
 import torch
 
 from ds_asynchzp.comm.grad_reduce import GradReduce, bucket_fingerprint
@@ -43,12 +44,23 @@ def test_a_step_keeps_the_own_row_and_zeroes_the_partial_sums():
     assert shards.buffer.data[:own].abs().sum() == 0 and shards.buffer.data[own + 1:].abs().sum() == 0
 
 
-def test_a_discarded_window_is_zeroed_whole():
+def test_a_reopened_window_keeps_its_sum_aside_and_starts_every_row_from_zero():
     shards, params = _shards()
     shards.begin_accumulate(params)
     shards.buffer.data.fill_(3.0)
-    shards.discard()
-    assert shards.window is Window.EMPTY and shards.buffer.data.abs().sum() == 0
+    shards.window = Window.REDUCED            # the cross-node sum was submitted
+    with pytest.raises(RuntimeError, match="reopened"):
+        shards.begin_accumulate(params)      # a late gradient must reopen the window first
+    shards.reopen()
+    assert shards.window is Window.ACCUMULATING and shards.buffer.data.abs().sum() == 0
+    assert torch.all(shards.reduced_earlier == 3.0)
+    # A first backward's copy replaces the kept sum of the parameters it reaches, and only theirs.
+    shards.replace_earlier([params[0]])
+    c0, c1 = shards.buffer.columns[0], shards.buffer.columns[1]
+    assert shards.reduced_earlier[c0.offset:c0.offset + c0.atom].abs().sum() == 0
+    assert torch.all(shards.reduced_earlier[c1.offset:c1.offset + c1.atom] == 3.0)
+    shards.end_step()
+    assert shards.reduced_earlier is None and shards.window is Window.EMPTY
 
 
 def test_only_the_first_optimizer_replica_carries_the_kept_gradient_into_a_window():

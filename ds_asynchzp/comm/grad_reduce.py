@@ -68,14 +68,14 @@ def bucket_fingerprint(params: Sequence[torch.nn.Parameter]) -> List[int]:
 
 
 def check_same_bucket(params: Sequence[torch.nn.Parameter], group: Group, names: Dict[int, str],
-                      tag: str = "asynchzp.bucket_check", device=None) -> None:
+                      tag: str = "asynchzp.bucket_check") -> None:
     """Every member of `group` is about to reduce the same parameters. A parameter that gets a gradient on some
     ranks and none on others makes the buckets differ, and the reduction that follows would read sizes that do
     not match (gloo aborts the process; NCCL hangs or reads past the end): fail first, naming the parameters.
-    Costs one all-gather of 3 integers per bucket, on the reducing thread's group."""
-    # On the reduction's device: NCCL takes device tensors only.
-    mine = torch.tensor(bucket_fingerprint(params), dtype=torch.int64, device=device)
-    every = torch.empty(group.size * 3, dtype=torch.int64, device=device)
+    Costs one all-gather of 3 integers per bucket on `group`, a host (gloo) group of the reducing thread
+    (`ProcessGroups.bucket_check`): the host reads the result without synchronising the device."""
+    mine = torch.tensor(bucket_fingerprint(params), dtype=torch.int64)
+    every = torch.empty(group.size * 3, dtype=torch.int64)
     with ledger.tagged(tag):
         all_gather(every, mine, group).wait()
     every = every.view(group.size, 3).tolist()
@@ -118,8 +118,9 @@ def fill_bucket(send: torch.Tensor, grads: Sequence[torch.Tensor], atoms: Sequen
 class GradReduce:
     def __init__(self, grads: GradShards, group: Group, world: int, use_reduce_scatter: bool, runner,
                  quantize: Optional[QuantFormat] = None, tag_prefix: str = "asynchzp",
-                 names: Optional[Dict[int, str]] = None):
+                 names: Optional[Dict[int, str]] = None, check_group: Optional[Group] = None):
         self.grads = grads
+        self.check_group = check_group if check_group is not None else group   # a host group (see check_same_bucket)
         self.names = names or {}      # ds_id -> the parameter's name in the module, for errors
         self.tag = f"{tag_prefix}.grad_reduce_scatter"
         self.check_tag = f"{tag_prefix}.bucket_check"
@@ -148,12 +149,14 @@ class GradReduce:
                     self.world)
         targets = [buffer.atoms(p) for p in params]
         self.grads.begin_accumulate(params)
+        if first:
+            self.grads.replace_earlier(params)
 
         params = list(params)
 
         def job() -> None:
-            if self.group.size > 1:
-                check_same_bucket(params, self.group, self.names, self.check_tag, send.device)
+            if self.check_group.size > 1:
+                check_same_bucket(params, self.check_group, self.names, self.check_tag)
             with ledger.tagged(self.tag):
                 if self.quantize is not None:
                     mine = scratch(self.scratch, "recv_fp32", width, torch.float32, send.device)

@@ -39,6 +39,7 @@ import torch
 
 from .. import ops
 from ..accounting import ledger
+from ..errors import PartitionWriteError
 from ..platform import streams
 from ..platform.deepspeed_internals import mark_available, mark_inflight
 from ..platform.process_groups import Group
@@ -138,8 +139,30 @@ class ParamGather:
             buffer = source.shards.buffer_of(param)
             atom = buffer.columns[param.ds_id].atom
             plan = self._plans[param.ds_id] = (self.sources.index(source), str(buffer.data.dtype), buffer,
-                                               source.group.size * source.shards.rows * atom, atom, buffer.atoms(param))
+                                               source.group.size * source.shards.rows * atom, atom, buffer.atoms(param),
+                                               buffer.own_atom(param).data_ptr() if atom else None)
         return plan
+
+    def _check_partition(self, param, plan: tuple) -> None:
+        """DeepSpeed's partition of `param` is a view of its own atom. Code that rebinds it (`param.ds_tensor.data =
+        t`, as some of DeepSpeed's tests do) makes stock ZeRO-3 gather `t` from that rank: where the shard has one row
+        (d_p = d_o) the same holds here once `t` is copied into the own atom; with more rows the other ranks hold
+        copies of this atom that only a collective could update, so the write is refused by name."""
+        if plan[6] is None or param.ds_tensor.data_ptr() == plan[6]:
+            return
+        source, buffer = self.sources[plan[0]], plan[2]
+        name = getattr(param, "ds_param_name", None) or f"ds_id {param.ds_id}"
+        own = buffer.own_atom(param)
+        value = param.ds_tensor.data
+        if source.shards.rows > 1 or value.numel() != own.numel():
+            raise PartitionWriteError(
+                f"the partition of parameter {name} (param.ds_tensor) was rebound outside DeepSpeed. Under async_hzp "
+                f"with param_shard_size < optimizer_shard_size, {source.shards.rows - 1} other rank(s) hold copies of "
+                "it that would keep the old value. Write parameters with deepspeed.zero.GatheredParameters(params, "
+                "modifier_rank=r) on every rank, or set async_hzp.param_shard_size equal to optimizer_shard_size.")
+        own.copy_(value.reshape(-1))
+        param.ds_tensor.data = own
+        buffer.note_host_access()
 
     def close(self) -> None:
         """Forget the shard views looked up for gathers, so that the shard buffers can go (`destroy`)."""
@@ -151,7 +174,9 @@ class ParamGather:
         # One collective per family (its own group) and dtype (a concatenation would promote silently).
         by_key: Dict[tuple, List[torch.nn.Parameter]] = {}
         for param in params:
-            by_key.setdefault(self._plan(param)[:2], []).append(param)
+            plan = self._plan(param)
+            self._check_partition(param, plan)
+            by_key.setdefault(plan[:2], []).append(param)
         groups = [(self.sources[key[0]], members) for key, members in sorted(by_key.items())]
         waits = [job for source, members in groups for job in source.refresh_waits(members)]
         # Output buffers are taken here, on the training thread, in program order: which pooled buffer is free
@@ -161,7 +186,7 @@ class ParamGather:
         slots, after, read = {}, [], {}
         for _, members in groups:
             for param in members:
-                _, _, buffer, numel, _, _ = self._plans[param.ds_id]
+                _, _, buffer, numel, _, _, _ = self._plans[param.ds_id]
                 read[id(buffer)] = buffer
                 slots[param.ds_id], released = self.pool.acquire(numel, buffer.data.dtype, buffer.data.device,
                                                                  readers_stream=self.compute)

@@ -7,7 +7,8 @@ the transient memory is one bucket and the cross-node hop overlaps compute:
   k receives row k from every member and sums them in fp32 into its own atom. Each rank sends only the sums
   the others own, once, in the communication dtype. gloo's reduce-scatter is an all-reduce underneath (twice
   the bytes), so on gloo this is a pairwise exchange (all-to-all); elsewhere the backend's reduce-scatter.
-  With d_o < N the N / d_o optimizer replicas then all-reduce the own atoms.
+  With d_o < N the N / d_o optimizer replicas then all-reduce the own atoms. In a window reopened by a late
+  gradient (`GradShards.reopen`), the sum of the window before the reopening is then added to the own atoms.
   During the last backward of a window, a chunk is submitted as soon as every parameter in it has had its
   bucket submitted for reduction (`grads_complete`); its job first waits for those reductions. The rest are
   submitted when the backward ends (`submit_remaining`), and whoever reads a gradient waits (`wait_grads`).
@@ -180,11 +181,15 @@ class StepBoundary:
         start, end = self._grad_chunks.ranges[index]
         segments = self._grad_chunks.segments[index]
         dependencies = list(self._bucket_jobs[index])
+        earlier = grads.reduced_earlier
 
         def job() -> None:
             for reduction in dependencies:
                 reduction.wait()
             self._reduce_chunk(grads.buffer, start, end, comm_dtype, segments)
+            if earlier is not None:
+                # A reopened window: its gradient before the reopening, added as Stage 3 adds into its partition.
+                grads.buffer.data[grads.buffer.own_row, start:end].add_(earlier[start:end])
 
         self._grad_jobs[index] = self.runner.submit(job, "cross-node gradient reduction",
                                                     self.groups.grad_boundary.name,

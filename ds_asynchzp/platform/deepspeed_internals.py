@@ -22,6 +22,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero import stage3 as _stage3_module
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+from deepspeed.utils import groups as _ds_groups
 
 SUPPORTED_DEEPSPEED_VERSION = "0.19.8"
 
@@ -79,6 +80,9 @@ def _self_check() -> None:
     if not hasattr(_stage3_module, "DeepSpeedZeroOptimizer_Stage3"):
         problems.append("deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3 is no longer a module "
                         "attribute (the engine imports it lazily by that name)")
+    for name in ("_create_zero_param_parallel_group", "_ZERO_PARAM_INTRA_PARALLEL_GROUP"):
+        if not hasattr(_ds_groups, name):
+            problems.append(f"deepspeed.utils.groups.{name} is gone (hpZ groups of engines without an optimizer)")
     for member in ("NOT_AVAILABLE", "INFLIGHT", "AVAILABLE"):
         if not hasattr(ZeroParamStatus, member):
             problems.append(f"ZeroParamStatus.{member} is gone (parameter gather protocol)")
@@ -497,3 +501,21 @@ def install_cpu_zeropp_quantizer() -> bool:
 
 
 __all__ += ["CPUZeroppQuantizerBuilder", "install_cpu_zeropp_quantizer"]
+
+
+@contextlib.contextmanager
+def hpz_groups_while_built(size: int) -> Iterator[None]:
+    """ZeRO++'s hierarchical-partition groups of `size` ranks, for the engines built inside the context only.
+
+    DeepSpeed 0.19.8 builds a parameter-only engine (no optimizer) with hpZ by calling `_set_zero_group_parallelism`,
+    a method only Stage 3's optimizer has (engine.py, the `DummyOptim` branch of `_configure_zero_optimizer`), and
+    skips that call when the groups exist: they are made here first (collective over the world). DeepSpeed keeps
+    them in a module global that every later ZeRO-3 engine reads at construction, and would then give hpZ to
+    engines whose config does not ask for it; each parameter keeps its group, so the global is put back after."""
+    previous = _ds_groups._ZERO_PARAM_INTRA_PARALLEL_GROUP
+    _ds_groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
+    _ds_groups._create_zero_param_parallel_group(size)
+    try:
+        yield
+    finally:
+        _ds_groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = previous

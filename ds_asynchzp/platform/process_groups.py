@@ -50,6 +50,7 @@ class ProcessGroups:
     param_refresh: Group = None               # once per step: all-gather of updated atoms (d_o / d_p ranks)
     grad_boundary: Group = None               # once per step: gradient sum into the owner (d_o / d_g ranks)
     outer_replica: Group = None               # once per step, d_o < N: all-reduce over optimizer replicas
+    bucket_check: Group = None                # the grad shard's ranks on a host (gloo) group: per-bucket metadata
     created: List[object] = field(default_factory=list)     # the handles this record created, to destroy
     member: bool = True                       # whether this rank belongs to the family these groups serve
 
@@ -64,7 +65,7 @@ class ProcessGroups:
 
 # group -> the thread that issues every collective on it (see ds_asynchzp.scheduler.context)
 OWNER = {"param_shard": "gather", "grad_shard": "reduce", "optimizer": "training", "param_refresh": "boundary",
-         "grad_boundary": "boundary", "outer_replica": "boundary"}
+         "grad_boundary": "boundary", "outer_replica": "boundary", "bucket_check": "reduce"}
 
 
 def build_process_groups(layout: HierarchicalLayout, dp_global_ranks: List[int], dp_handle,
@@ -117,5 +118,28 @@ def build_process_groups(layout: HierarchicalLayout, dp_global_ranks: List[int],
     groups.param_refresh = make("param_refresh", layout.param_refresh_groups())
     groups.grad_boundary = make("grad_boundary", layout.grad_boundary_groups())
     groups.outer_replica = make("outer_replica", layout.outer_replica_groups())
+    groups.bucket_check = _host_group(groups.grad_shard, layout.grad_shard_groups(), dp_global_ranks, family, timeout,
+                                      groups.created)
     groups.member = member
     return groups
+
+
+def _host_group(device_group: Optional[Group], all_groups: List[List[int]], dp_global_ranks: List[int], family: str,
+                timeout, created: List[object]) -> Optional[Group]:
+    """The ranks of `device_group` on a gloo group, for metadata the host must read: on a device backend, reading
+    a collective's result on the host would synchronise the device (and, under the one issue order, hold every
+    later job). Where the default backend is gloo already, it is the device group itself."""
+    if torch.distributed.get_backend() == "gloo":
+        return device_group
+    mine = None
+    me = ds_comm.get_rank()
+    for dp_ranks in all_groups:
+        ranks = tuple(dp_global_ranks[r] for r in dp_ranks)
+        handle = None
+        if len(ranks) > 1:
+            handle = torch.distributed.new_group(list(ranks), timeout=timeout, backend="gloo")
+            created.append(handle)
+        if me in ranks:
+            mine = Group(family + "bucket_check", ranks, handle, ranks.index(me),
+                         device_group.inter_node if device_group is not None else False)
+    return mine

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import functools
 import inspect
 import os
 
 import deepspeed
+from deepspeed.accelerator import get_accelerator
 from deepspeed.pipe import PipelineModule
 
 from ..accounting.sizing import padded_num_params
-from ..config import ResolvedLayout, resolve_layout, section_from_ds_config
+from ..config import ResolvedLayout, load_ds_config, resolve_layout, section_from_ds_config
 from ..errors import AsyncHZPConfigError, AsyncHZPNotActiveError
-from ..platform.deepspeed_internals import ds_comm, engine_class_swapped
+from ..platform.deepspeed_internals import ds_comm, engine_class_swapped, hpz_groups_while_built
 from .engine import engine_class_for
 from .optimizer import HierarchicalZeroOptimizer
 
@@ -62,12 +65,44 @@ def resolve_for_initialize(*args, **kwargs) -> ResolvedLayout | None:
                           num_parameters=padded_num_params(_model_numel(model), world) if model is not None else None)
 
 
+def _initialize_without_optimizer(layout: ResolvedLayout, arguments: dict):
+    """An engine without an optimizer (TRL's reference models, distillation teachers, evaluation): DeepSpeed builds
+    its parameter-only ZeRO-3 engine, which has no gradients or optimizer states for AsyncHZP to place. Its
+    parameters get AsyncHZP's parameter placement, sharded over d_p inside the node, through ZeRO++'s hierarchical
+    partition (hpZ): stock code that keeps, after a parameter's first gather, a copy partitioned over d_p, from
+    which every later gather reads inside the node (a frozen model's copy never goes stale). Forward values are
+    stock ZeRO-3's exactly: a gather only copies."""
+    config = copy.deepcopy(load_ds_config(_ds_config_of(arguments)))
+    hierarchical = 1 < layout.param_shard_size < layout.world_size
+    if hierarchical:
+        config.setdefault("zero_optimization", {})["zero_hpz_partition_size"] = layout.param_shard_size
+        if not ds_comm.is_initialized():   # as deepspeed.initialize would, first
+            deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
+                                       distributed_port=arguments.get("distributed_port", 29500),
+                                       dist_init_required=arguments.get("dist_init_required"))
+    for key in ("config", "config_params"):
+        arguments.pop(key, None)
+    if getattr(arguments.get("args"), "deepspeed_config", None) is not None:
+        arguments["args"] = copy.copy(arguments["args"])
+        arguments["args"].deepspeed_config = None
+    if layout.log_layout and _rank() == 0:
+        print(f"[ds_asynchzp] {layout.describe()}", flush=True)
+    with hpz_groups_while_built(layout.param_shard_size) if hierarchical else contextlib.nullcontext():
+        return _ORIGINAL_INITIALIZE(**arguments, config=config)
+
+
+def _rank() -> int:
+    return ds_comm.get_rank() if ds_comm.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
 @functools.wraps(_ORIGINAL_INITIALIZE)
 def initialize(*args, **kwargs):
     """`deepspeed.initialize` that honours the ``"async_hzp"`` section (stock ZeRO-3 without it)."""
     layout = resolve_for_initialize(*args, **kwargs)
     if layout is None:
         return _ORIGINAL_INITIALIZE(*args, **kwargs)
+    if not layout.has_optimizer:
+        return _initialize_without_optimizer(layout, dict(_INITIALIZE_SIGNATURE.bind(*args, **kwargs).arguments))
     with engine_class_swapped(engine_class_for(layout)):
         result = _ORIGINAL_INITIALIZE(*args, **kwargs)
     engine = result[0]

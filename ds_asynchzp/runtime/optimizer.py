@@ -85,6 +85,10 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
     """Set `hzp_layout` on a subclass (see `optimizer_class_for`); the engine builds it with Stage 3's arguments."""
 
     hzp_layout: ResolvedLayout = None
+    # Set while Stage 3 itself reads or writes its gradient state (the backward epilogue, the step): no wait there.
+    _hzp_in_step = False
+    _hzp_in_epilogue = False
+    hzp_comm = None
 
     def __init__(self, module, init_optimizer, *args, **kwargs):
         layout = self.hzp_layout
@@ -100,9 +104,7 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             self.hzp_placements.append(self._hzp_build_placement(family, layout))
         self.hzp_dense = self.hzp_placements[0]
         self._hzp_placement_of: Dict[int, Placement] = {}
-        self._hzp_in_step = False
-        # After a discarded window: the parameters reduced in the next window's first backward (see `step`).
-        self._hzp_after_discard: Optional[set] = None
+        self._hzp_warned: set = set()   # the one-time warnings given (a reopened window, zero_grad mid-window)
         self._hzp_updated: set = set()   # parameters edited while gathered, until DeepSpeed re-partitions them
         kwargs["dp_process_group"] = self.hzp_dense.groups.optimizer.handle
         super().__init__(module, init_optimizer, *args, **kwargs)
@@ -174,7 +176,8 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             # Gradients are averaged over the whole data-parallel world, experts too (as DeepSpeed does).
             placement.reduce = GradReduce(placement.grads, placement.groups.grad_shard, layout.world_size,
                                           self.reduce_scatter, self.hzp_comm.reduce, plan.grad_reduce_scatter,
-                                          placement.family.tag, self._hzp_param_names)
+                                          placement.family.tag, self._hzp_param_names,
+                                          placement.groups.bucket_check)
 
     @property
     def hzp_error_feedback(self) -> Optional[ErrorFeedback]:
@@ -241,6 +244,8 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         rehome_stage3_grad_partitions(self, views, trainable[0].grads.own if len(trainable) == 1 else None)
 
     def has_overflow(self, partition_gradients=True):
+        if partition_gradients and self._hzp_external_gradient_read():
+            self.hzp_finish_window()
         owners = self._hzp_trainable_placements()
         if not partition_gradients or len(owners) <= 1:
             self._hzp_order_overflow_check()
@@ -264,8 +269,8 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         in the background; in the last backward of the window, start each completed chunk's cross-node sum."""
         placement = self._hzp_placement_of[params_to_reduce[0].ds_id]
         first = is_first_micro_step(self)
-        if first and self._hzp_after_discard is not None:
-            self._hzp_after_discard.update(p.ds_id for p in params_to_reduce)
+        if placement.grads.window is Window.REDUCED:
+            self._hzp_reopen_window(placement)
         job = placement.reduce.reduce_bucket(params_to_reduce, communication_data_type, first=first)
         if at_accumulation_boundary(self):
             placement.boundary.grads_complete(placement.grads, params_to_reduce, job, self.communication_data_type)
@@ -348,34 +353,63 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         for placement in self._hzp_trainable_placements():
             placement.boundary.wait_grads()
 
-    def _hzp_end_window(self, stepped: bool) -> None:
-        """After the step (the own rows stay: they are Stage 3's gradient partitions), or a discarded window."""
+    def _hzp_end_window(self) -> None:
+        """After the step, or a zero_grad(): the own rows stay (they are Stage 3's gradient partitions)."""
         for placement in self._hzp_trainable_placements():
             placement.reduce.drain()
             placement.boundary.end_window()
-            if stepped:
-                placement.grads.end_step()
-            else:
-                placement.grads.discard()
+            placement.grads.end_step()
 
     def finalize_gradient_accumulation_boundary(self):
         super().finalize_gradient_accumulation_boundary()
         self.hzp_finish_window()
 
+    def _hzp_reopen_window(self, placement: Placement) -> None:
+        """A gradient arrives after its window was summed across nodes (another backward after the window's last
+        one, or after a reader waited for the sum): stock ZeRO-3 adds it to its partitions, so the window is
+        reopened and will be summed across nodes once more. Every rank runs the same backwards, so every rank
+        reopens here, at the same bucket."""
+        placement.reduce.drain()
+        placement.boundary.end_window()
+        placement.grads.reopen()
+        self._hzp_warn_once(
+            "reopened",
+            "a gradient arrived after its accumulation window had been summed across nodes (a backward() after "
+            "the window's last one by gradient_accumulation_steps, or after the window's gradients were read): it "
+            "is added as stock ZeRO-3 adds it, and the window's later gradients cross nodes in a second exchange, "
+            "which costs that exchange's bytes again. To avoid it, set gradient_accumulation_steps to the number "
+            "of backward() calls per step(), or call engine.set_gradient_accumulation_boundary(False) before every "
+            "backward() of a window but the last (True before the last).")
+
+    def _hzp_warn_once(self, key: str, message: str) -> None:
+        if key not in self._hzp_warned:
+            self._hzp_warned.add(key)
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
+
     def zero_grad(self, set_to_none=True):
         super().zero_grad(set_to_none=set_to_none)
+        # Stock Stage 3's zero_grad leaves its gradient partitions as the last backward left them: the next
+        # backward copies over them (micro_step_id is 0 again) and a step() reads them. Here the window is summed
+        # across nodes now, so the own atoms hold what stock's partitions hold, and it ends as after a step.
         # Inside step(), Stage 3 calls zero_grad after the boundary while it still reads the own atoms.
-        if not self._hzp_in_step and any(p.grads is not None and p.grads.window is not Window.EMPTY
-                                         for p in self.hzp_placements):
-            self._hzp_end_window(stepped=False)
-            self._hzp_after_discard = set()
+        if self._hzp_in_step:
+            return
+        open_windows = [p for p in self._hzp_trainable_placements() if p.grads.window is not Window.EMPTY]
+        if not open_windows:
+            return
+        if any(p.grads.window is Window.ACCUMULATING for p in open_windows):
+            self._hzp_warn_once(
+                "zero_grad",
+                "optimizer.zero_grad() inside an accumulation window: as in stock ZeRO-3, the gradients reduced so "
+                "far stay in the partitions (a step() reads them; the next backward() replaces those it reaches), "
+                "so the window's gradients cross nodes now, an extra exchange per call. Call zero_grad() after "
+                "step() (DeepSpeed's step() already does) to avoid it.")
+        self.hzp_finish_window()
+        self._hzp_end_window()
 
     def step(self, closure=None):
         self.hzp_gather.pause()
         self.hzp_finish_window()
-        if self._hzp_after_discard is not None:
-            self._hzp_warn_after_discard(self._hzp_after_discard)
-            self._hzp_after_discard = None
         # The previous refresh reads the own atoms the step is about to overwrite.
         for placement in self.hzp_placements:
             placement.boundary.wait_refresh()
@@ -384,21 +418,7 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             return super().step(closure)
         finally:
             self._hzp_in_step = False
-            self._hzp_end_window(stepped=True)
-
-    def _hzp_warn_after_discard(self, reduced_first: set) -> None:
-        """A discarded window's gradients are gone here; stock ZeRO-3 keeps its partial sums in the partitions of
-        parameters that get no gradient in the next window's first backward, and steps with them. Say so where it
-        makes a difference, naming the parameters."""
-        missed = [self._hzp_param_names.get(p.ds_id, f"ds_id {p.ds_id}")
-                  for placement in self._hzp_trainable_placements() for p in placement.trainable.params
-                  if p.requires_grad and p.ds_id not in reduced_first]
-        if missed:
-            warnings.warn(
-                f"zero_grad() discarded an accumulation window, and {len(missed)} parameter(s) got no gradient in "
-                f"the next window's first backward ({', '.join(missed[:5])}{', ...' if len(missed) > 5 else ''}): "
-                "their gradient starts from zero here; stock ZeRO-3 would start it from the discarded window's "
-                "partial sums.", RuntimeWarning, stacklevel=3)
+            self._hzp_end_window()
 
     def _post_step(self, timer_names):
         # Stock Stage 3 re-gathers persistent parameters over the partition group and drops hpZ secondaries
@@ -422,6 +442,35 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             self.hzp_gather.all_gather_coalesced(missing, flow="persistent_regather").wait()
 
     # ----------------------------------------------- readers and writers of gradients after backward
+    # Every Stage 3 reader of the gradient partitions or their norms waits for the window's cross-node sum (and
+    # starts it, collectively, if a backward left it open), as the public getters below do; Stage 3 itself reads
+    # them only inside step() and writes them in the backward epilogue, where no wait is needed.
+    # docs/ARCHITECTURE.md lists them.
+    def _hzp_external_gradient_read(self) -> bool:
+        return self.hzp_comm is not None and not self._hzp_in_step and not self._hzp_in_epilogue
+
+    @property
+    def averaged_gradients(self):
+        if self._hzp_external_gradient_read():
+            self.hzp_finish_window()
+        return self.__dict__["_hzp_averaged_gradients"]
+
+    @averaged_gradients.setter
+    def averaged_gradients(self, value):
+        self.__dict__["_hzp_averaged_gradients"] = value
+
+    def independent_gradient_partition_epilogue(self):
+        self._hzp_in_epilogue = True
+        try:
+            return super().independent_gradient_partition_epilogue()
+        finally:
+            self._hzp_in_epilogue = False
+
+    def _get_norm_groups(self):
+        if self._hzp_external_gradient_read():
+            return self._hzp_gradient_access(super()._get_norm_groups)
+        return super()._get_norm_groups()
+
     def _hzp_gradient_access(self, call, *args):
         """DeepSpeed reads or writes the own gradient atoms (on the current stream): the window must be summed
         first, and the next window's jobs must come after this access."""

@@ -6,8 +6,10 @@ model dtype, as in stock ZeRO-3). At the accumulation boundary the rows are summ
 atoms across nodes; the own row is Stage 3's gradient partition buffer, so the optimizer step, the norm,
 `safe_get_full_grad` and the overflow check read it in place.
 
-The accumulation window has an explicit state, so that a discarded backward (`zero_grad`) never leaks into the
-next step and a gradient can never be added after its window was reduced.
+The accumulation window has an explicit state. A gradient that arrives after the window's cross-node sum (a
+second `backward()` before `step()`, as stock ZeRO-3 allows whatever `gradient_accumulation_steps` says) reopens
+it: the sum so far moves aside (`reduced_earlier`), every row starts from zero, and the next cross-node sum adds
+it back to the own row, so the window is summed across nodes once more, its later gradients only.
 
 The own row outlives the window, as Stage 3's gradient partition buffer does (it is that buffer): stock ZeRO-3
 copies each reduced gradient into its partition in a window's first backward and adds in the later ones, and
@@ -32,7 +34,7 @@ from .sharded_buffer import ShardedBuffer
 class Window(enum.Enum):
     EMPTY = "empty"                # nothing accumulated since the last step: other rows zero, own row as stepped
     ACCUMULATING = "accumulating"  # rows hold partial sums of this window's micro-steps
-    REDUCED = "reduced"            # the own row holds the final gradient; the other rows are spent
+    REDUCED = "reduced"            # the own row holds the window's gradient so far; the other rows are spent
 
 
 class GradShards:
@@ -44,6 +46,8 @@ class GradShards:
                                     layout.grad_row_of_own_atom(dp_rank), dtype, device,
                                     atom_of=lambda p: p.partition_numel())
         self.window = Window.EMPTY
+        # The own row as the window's first cross-node sum left it, while the window is reopened (else None).
+        self.reduced_earlier: torch.Tensor | None = None
 
     @property
     def own(self) -> torch.Tensor:
@@ -53,13 +57,33 @@ class GradShards:
         """Some parameters' reduced gradients are about to be added (by the reduce thread)."""
         if self.window is Window.REDUCED:
             raise RuntimeError(
-                f"a gradient of parameter {params[0].ds_id} arrived after this accumulation window's gradients "
-                "were reduced across nodes and before optimizer step(); run step() (or zero_grad() to discard the "
-                "window) before the next backward")
+                f"a gradient of parameter {params[0].ds_id} arrived after this accumulation window's cross-node sum "
+                "and the window was not reopened (GradShards.reopen)")
         if self.window is Window.EMPTY and not self.carries_previous:
             self.buffer.own.zero_()
             self.buffer.note_host_access()
         self.window = Window.ACCUMULATING
+
+    def reopen(self) -> None:
+        """A gradient arrives after the window's cross-node sum (every job of that sum is done): keep the sum
+        aside, start every row from zero. With optimizer replicas each holds the same sum, so each adds it back."""
+        if self.window is not Window.REDUCED:
+            raise RuntimeError(f"only a reduced window can be reopened (this one is {self.window.value})")
+        # Reopened before: the earlier sum was added back into the own row by the last cross-node sum.
+        self.reduced_earlier = self.buffer.own.clone()
+        self.buffer.data.zero_()
+        self.buffer.note_host_access()
+        self.window = Window.ACCUMULATING
+
+    def replace_earlier(self, params) -> None:
+        """A first backward (Stage 3 copies into its partitions then) reaches these parameters in a reopened window:
+        their gradient so far is replaced, not added to."""
+        if self.reduced_earlier is None:
+            return
+        for param in params:
+            c = self.buffer.columns[param.ds_id]
+            self.reduced_earlier.narrow(0, c.offset, c.atom).zero_()
+        self.buffer.note_host_access()
 
     def end_step(self) -> None:
         """After the optimizer step: the partial sums go, the own row stays (Stage 3's partition buffer)."""
@@ -69,12 +93,7 @@ class GradShards:
         if own + 1 < self.buffer.rows:
             self.buffer.data[own + 1:].zero_()
         self.buffer.note_host_access()
-        self.window = Window.EMPTY
-
-    def discard(self) -> None:
-        """A window thrown away with zero_grad(): nothing of it reaches the next step."""
-        self.buffer.data.zero_()
-        self.buffer.note_host_access()
+        self.reduced_earlier = None
         self.window = Window.EMPTY
 
     def nbytes(self) -> int:
