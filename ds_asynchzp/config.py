@@ -329,11 +329,9 @@ class ResolvedLayout:
     def describe(self) -> str:
         """One line for rank 0's log: every size with its replica count, and why "auto" chose it."""
         w = self.world_size
-        if not self.has_optimizer:
+        if not self.has_optimizer:   # runtime/api.py adds where the parameters go
             return (f"async_hzp layout: world={w} ({self.num_nodes} node(s) x {self.node_size} ranks); no optimizer: "
-                    f"DeepSpeed's parameter-only ZeRO-3 engine, parameters sharded over d_p={self.param_shard_size} "
-                    "inside the node (ZeRO++'s hierarchical partition, zero_hpz_partition_size): after its first "
-                    "gather a parameter is gathered inside the node")
+                    "DeepSpeed's parameter-only ZeRO-3 engine")
         text = (
             f"async_hzp layout: world={w} ({self.num_nodes} node(s) x {self.node_size} ranks); "
             f"params sharded over d_p={self.param_shard_size} ({_replicas(w // self.param_shard_size)}), "

@@ -100,6 +100,8 @@ def _run_ops(engine, ops, rank: int, world: int, seen: dict) -> None:
             with torch.no_grad():
                 seen.setdefault("forward", []).append(float(engine(_batch(rank, args[0]))))
             engine.train()
+        elif kind == "offload_states":
+            engine.optimizer.offload_states()
         elif kind == "empty_partition_cache":
             engine.empty_partition_cache()
         elif kind == "b_requires_grad":
@@ -121,6 +123,9 @@ def _run_ops(engine, ops, rank: int, world: int, seen: dict) -> None:
         elif kind == "rebind_partition":
             for param in engine.module.parameters():
                 param.ds_tensor.data = torch.full_like(param.ds_tensor, args[0])
+        elif kind == "write_partition_in_place":
+            for param in engine.module.parameters():
+                param.ds_tensor.data.copy_(torch.full_like(param.ds_tensor, args[0]))
         elif kind == "forward_loss":
             with torch.no_grad():
                 seen.setdefault("forward", []).append(float(engine(_batch(rank, args[0]))))
@@ -130,7 +135,11 @@ def _run_ops(engine, ops, rank: int, world: int, seen: dict) -> None:
 
 def _arm(case: dict, arm: str, rank: int, world: int) -> dict:
     torch.manual_seed(7)
-    model = Net(case.get("b_uses", 1), case.get("checkpoint_b", False), case.get("leaf_b", False))
+    if case.get("zero_init"):      # built partitioned, as from_pretrained under ZeRO-3 builds a model
+        with deepspeed.zero.Init(config_dict_or_path=_config(case, arm)):
+            model = Net()
+    else:
+        model = Net(case.get("b_uses", 1), case.get("checkpoint_b", False), case.get("leaf_b", False))
     if case.get("leaf_b"):
         deepspeed.utils.set_z3_leaf_modules(model, [torch.nn.Sequential])
     optimizer = None if case.get("no_optimizer") else torch.optim.SGD(model.parameters(), lr=1.0)

@@ -10,8 +10,9 @@ under both arms):
   those it reaches);
 * Stage 3's gradient state read right after backward (`averaged_gradients`, `_get_norm_groups`) is the window's
   summed gradient, also with the communication threads slowed down;
-* a rebound partition (`param.ds_tensor.data = t`) reaches the next forward where the layout allows it, and is
-  refused by name where it does not;
+* a rebound partition (`param.ds_tensor.data = t`) or one written in place reaches the next forward where the
+  layout allows it, and is refused by name where it does not (a rebinding at the next gather, an in-place write at
+  the next step);
 * an engine without an optimizer (a reference model) trains nothing and forwards as stock, its parameters sharded
   inside the node;
 * and other stage-3 behaviours DeepSpeed's own unit tests check: a layer used several times per forward,
@@ -38,6 +39,8 @@ READ_DELAY = "40"   # ms before and after each of the package's collectives: a r
 
 CASES = [
     {"name": "two_backwards_one_step", "ops": [["fb", 1], ["fb", 2], ["step"]], "reopens": True},
+    {"name": "two_torch_style_backwards_one_step", "ops": [["torch_backward", 1], ["torch_backward", 2], ["step"]],
+     "reopens": True},
     {"name": "engine_zero_grad_between_backwards", "ops": [["fb", 1], ["engine_zero_grad"], ["fb", 2], ["step"]],
      "reopens": True},
     {"name": "four_backwards_two_steps_gas2", "gas": 2,
@@ -57,7 +60,12 @@ CASES = [
      "ops": [["torch_backward", 1], ["read_averaged_gradients"], ["step"]]},
     {"name": "rebound_partition", "ops": [["rebind_partition", 0.25], ["forward_loss", 1], ["fb", 1], ["step"]],
      "refused_when_rows": True},
+    {"name": "partition_written_in_place", "refused_when_rows": True,
+     "ops": [["write_partition_in_place", 0.25], ["forward_loss", 1], ["fb", 1], ["step"]]},
     {"name": "engine_without_optimizer", "no_optimizer": True, "ops": [["forward_loss", 1], ["forward_loss", 2]]},
+    {"name": "engine_without_optimizer_built_partitioned", "no_optimizer": True, "zero_init": True,
+     "ops": [["forward_loss", 1], ["forward_loss", 2]]},
+    {"name": "offload_states_refused", "ops": [["fb", 1], ["step"], ["offload_states"]], "own_check": True},
     # Other stage-3 behaviours DeepSpeed's own unit tests check, here against stock in the same run.
     {"name": "layer_used_three_times_per_forward", "b_uses": 3, "gas": 2,
      "ops": [["fb", 1], ["step"], ["fb", 2], ["step"]]},
@@ -105,7 +113,7 @@ def _case(name):
 
 
 @pytest.mark.parametrize("name", [case["name"] for case in CASES if not case.get("refused_when_rows")
-                                  and not case.get("no_optimizer")])
+                                  and not case.get("no_optimizer") and not case.get("own_check")])
 def test_weights_move_as_under_stock(launched, name):
     for rank, stock, hzp in _arms(launched, name):
         assert stock["error"] is None, (rank, stock["error"])
@@ -142,13 +150,17 @@ def test_gradient_state_read_after_backward_is_the_summed_gradient(launched):
         assert abs(hzp["norm_groups"][0] - stock["norm_groups"][0]) <= REL * stock["norm_groups"][0]
 
 
-def test_a_rebound_partition_reaches_the_forward_or_is_refused_by_name(launched):
-    rows = launched["d_o"] // launched["d_p"]
-    for rank, stock, hzp in _arms(launched, "rebound_partition"):
+@pytest.mark.parametrize("name", ["rebound_partition", "partition_written_in_place"])
+def test_a_write_into_a_partition_reaches_the_forward_or_is_refused_by_name(launched, name):
+    """Where every gather reads the own atom (d_p = d_o = N) the write acts as under stock; elsewhere a rebinding is
+    refused at the next gather, an in-place write at the next step (only its contents show it)."""
+    exact = launched["d_p"] == launched["d_o"] == launched["world"]
+    for rank, stock, hzp in _arms(launched, name):
         assert stock["error"] is None
-        if rows > 1:
+        if not exact:
             assert hzp["error"] is not None and hzp["error"].startswith("PartitionWriteError"), hzp["error"]
             assert "GatheredParameters" in hzp["error"] and "modifier_rank" in hzp["error"]
+            assert bool(hzp.get("forward")) == (name == "partition_written_in_place"), "where it was refused"
         else:
             assert hzp["error"] is None, hzp["error"]
             assert hzp["forward"] == pytest.approx(stock["forward"], rel=REL)
@@ -162,11 +174,21 @@ def test_eval_forwards_equal_stock(launched):
         assert hzp["forward"] == pytest.approx(stock["forward"], rel=REL), rank
 
 
-def test_an_engine_without_an_optimizer_forwards_as_stock_sharded_inside_the_node(launched):
+@pytest.mark.parametrize("name", ["engine_without_optimizer", "engine_without_optimizer_built_partitioned"])
+def test_an_engine_without_an_optimizer_forwards_as_stock_sharded_inside_the_node(launched, name):
+    """Sharded over d_p inside the node (hpZ) where DeepSpeed lets it be; a model that zero.Init partitioned when it
+    was built keeps stock's partitioning."""
     d_p, world = launched["d_p"], launched["world"]
-    for rank, stock, hzp in _arms(launched, "engine_without_optimizer"):
+    for rank, stock, hzp in _arms(launched, name):
         assert stock["error"] is None and hzp["error"] is None, (stock["error"], hzp["error"])
         assert stock["optimizer"] == hzp["optimizer"] == "DeepSpeedZeRoOffload"
         assert hzp["forward"] == stock["forward"], "a gather copies: the forward is bit-identical"
-        assert stock["hpz"] == 1 and hzp["hpz"] == (d_p if 1 < d_p < world else 1)
+        hierarchical = 1 < d_p < world and name == "engine_without_optimizer"
+        assert stock["hpz"] == 1 and hzp["hpz"] == (d_p if hierarchical else 1)
         assert all(not any(delta) for delta in hzp["delta"].values()), "nothing trains"
+
+
+def test_offload_states_is_refused_by_name(launched):
+    for rank, _, hzp in _arms(launched, "offload_states_refused"):
+        assert hzp["error"] is not None and hzp["error"].startswith("NotImplementedError"), hzp["error"]
+        assert "async_hzp" in hzp["error"]

@@ -205,6 +205,7 @@ PARITY_CASES = [
     _case("fp16", dtype="fp16", zero=NO_PERSISTENCE),
     _case("edited_while_gathered", zero=NO_PERSISTENCE, modify_at=1),
     _case("user_stream", zero=NO_PERSISTENCE, user_stream=True),                # compute is not the default stream
+    _case("window_reopened", zero=NO_PERSISTENCE, extra_backward=True),         # a backward after the boundary
 ]
 # Stock ZeRO-3 under the model: DeepSpeed's own ordering is clean, so whatever the model finds is ours.
 TWINNED = ("defaults", "gathers_prefetched", "fp16", "user_stream")

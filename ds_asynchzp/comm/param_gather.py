@@ -145,22 +145,28 @@ class ParamGather:
 
     def _check_partition(self, param, plan: tuple) -> None:
         """DeepSpeed's partition of `param` is a view of its own atom. Code that rebinds it (`param.ds_tensor.data =
-        t`, as some of DeepSpeed's tests do) makes stock ZeRO-3 gather `t` from that rank: where the shard has one row
-        (d_p = d_o) the same holds here once `t` is copied into the own atom; with more rows the other ranks hold
-        copies of this atom that only a collective could update, so the write is refused by name."""
+        t`, as some of DeepSpeed's tests do) makes stock ZeRO-3 gather `t` from that rank: where every gather reads
+        the own atom (d_p = d_o = N) the same holds here once `t` is copied into it; elsewhere other ranks' gathers
+        read copies of the atom that only a collective could update, so the write is refused by name (on the ranks
+        that rebound; the others then wait in the gather until the group's timeout names it)."""
         if plan[6] is None or param.ds_tensor.data_ptr() == plan[6]:
             return
         source, buffer = self.sources[plan[0]], plan[2]
         name = getattr(param, "ds_param_name", None) or f"ds_id {param.ds_id}"
         own = buffer.own_atom(param)
         value = param.ds_tensor.data
-        if source.shards.rows > 1 or value.numel() != own.numel():
+        if not source.shards.own_writes_reach_every_gather or value.numel() != own.numel():
             raise PartitionWriteError(
                 f"the partition of parameter {name} (param.ds_tensor) was rebound outside DeepSpeed. Under async_hzp "
-                f"with param_shard_size < optimizer_shard_size, {source.shards.rows - 1} other rank(s) hold copies of "
-                "it that would keep the old value. Write parameters with deepspeed.zero.GatheredParameters(params, "
-                "modifier_rank=r) on every rank, or set async_hzp.param_shard_size equal to optimizer_shard_size.")
+                "with param_shard_size < optimizer_shard_size, or optimizer_shard_size < the world, other ranks "
+                "gather copies of it that would keep the old value. Write parameters with "
+                "deepspeed.zero.GatheredParameters(params, modifier_rank=r) on every rank, or set "
+                "async_hzp.param_shard_size and optimizer_shard_size to the world size.")
+        # The value was written on the compute stream; this copy may run on DeepSpeed's gather stream, and the
+        # value's memory goes back to the allocator once the partition no longer points at it.
+        streams.wait([streams.record(self.compute)])
         own.copy_(value.reshape(-1))
+        streams.keep_alive(value)
         param.ds_tensor.data = own
         buffer.note_host_access()
 
@@ -230,6 +236,8 @@ class ParamGather:
                              flow: str = FETCH) -> GatherHandle:
         """Drop-in for DeepSpeed's per-parameter `all_gather_coalesced` (same arguments, same handle protocol)."""
         params = list(params)
+        for param in params:     # before the parameters count as in flight: a refusal leaves them as they were
+            self._check_partition(param, self._plan(param))
         mark_inflight(params)
         key: Key = tuple(sorted(p.ds_id for p in params))
         handle = self._prefetched.pop(key, None)

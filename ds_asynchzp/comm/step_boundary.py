@@ -40,6 +40,7 @@ from typing import Dict, Iterable, List, Optional
 import torch
 
 from ..accounting import ledger
+from ..platform import streams
 from ..quantization import NO_QUANTIZATION, QuantizationPlan
 from ..platform.process_groups import ProcessGroups
 from ..state.error_feedback import ErrorFeedback
@@ -189,7 +190,9 @@ class StepBoundary:
             self._reduce_chunk(grads.buffer, start, end, comm_dtype, segments)
             if earlier is not None:
                 # A reopened window: its gradient before the reopening, added as Stage 3 adds into its partition.
+                # The copy is dropped after the step, from another stream: its memory waits for this one.
                 grads.buffer.data[grads.buffer.own_row, start:end].add_(earlier[start:end])
+                streams.keep_alive(earlier)
 
         self._grad_jobs[index] = self.runner.submit(job, "cross-node gradient reduction",
                                                     self.groups.grad_boundary.name,

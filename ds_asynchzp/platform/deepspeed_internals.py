@@ -53,7 +53,7 @@ _REQUIRED_CLASS_MEMBERS = [
     (DeepSpeedZeroOptimizer_Stage3, "set_local_grad_for_param", "safe_set_local_grad"),
     (DeepSpeedZeroOptimizer_Stage3, "get_fp32_grad_partitions", "gradient partitions by group"),
     (DeepSpeedZeroOptimizer_Stage3, "update_fp32_grad_for_param_vectorized", "vectorized gradient update"),
-    (DeepSpeedEngine, "backward", "the end of a backward pass at the accumulation boundary"),
+    (DeepSpeedEngine, "_backward_epilogue", "the end of a backward pass (engine or torch-style) at the boundary"),
     (DeepSpeedEngine, "forward", "the start of a micro-step (prefetch replay)"),
     (DeepSpeedEngine, "_save_zero_checkpoint", "writes one rank's optimizer-state file"),
     (DeepSpeedEngine, "_get_zero_param_shapes", "parameter order of checkpoints"),

@@ -15,7 +15,8 @@ from deepspeed.pipe import PipelineModule
 from ..accounting.sizing import padded_num_params
 from ..config import ResolvedLayout, load_ds_config, resolve_layout, section_from_ds_config
 from ..errors import AsyncHZPConfigError, AsyncHZPNotActiveError
-from ..platform.deepspeed_internals import ds_comm, engine_class_swapped, hpz_groups_while_built
+from ..config_compat import autoep_size
+from ..platform.deepspeed_internals import ds_comm, engine_class_swapped, hpz_groups_while_built, is_zero_param
 from .engine import engine_class_for
 from .optimizer import HierarchicalZeroOptimizer
 
@@ -71,9 +72,23 @@ def _initialize_without_optimizer(layout: ResolvedLayout, arguments: dict):
     parameters get AsyncHZP's parameter placement, sharded over d_p inside the node, through ZeRO++'s hierarchical
     partition (hpZ): stock code that keeps, after a parameter's first gather, a copy partitioned over d_p, from
     which every later gather reads inside the node (a frozen model's copy never goes stale). Forward values are
-    stock ZeRO-3's exactly: a gather only copies."""
+    stock ZeRO-3's exactly: a gather only copies. Where hpZ cannot apply (AutoEP; parameters that zero.Init
+    partitioned already) the engine is stock's, and the log line says why."""
     config = copy.deepcopy(load_ds_config(_ds_config_of(arguments)))
-    hierarchical = 1 < layout.param_shard_size < layout.world_size
+    model = arguments.get("model")
+    if not 1 < layout.param_shard_size < layout.world_size:
+        placement = f"parameters partitioned over the {layout.world_size} ranks, as stock (d_p = world)"
+    elif autoep_size(config) is not None:
+        placement = ("parameters partitioned over the world, as stock: DeepSpeed 0.19.8's AutoEP refuses hpZ's "
+                     "secondary partition")
+    elif model is not None and any(is_zero_param(p) for p in model.parameters()):
+        placement = ("parameters partitioned over the world, as stock: deepspeed.zero.Init partitioned them when the "
+                     "model was built (e.g. from_pretrained under ZeRO-3), and DeepSpeed keeps that partitioning")
+    else:
+        placement = (f"parameters sharded over d_p={layout.param_shard_size} inside the node (ZeRO++'s hierarchical "
+                     "partition, zero_hpz_partition_size): after its first gather a parameter is gathered inside "
+                     "the node")
+    hierarchical = placement.startswith("parameters sharded")
     if hierarchical:
         config.setdefault("zero_optimization", {})["zero_hpz_partition_size"] = layout.param_shard_size
         if not ds_comm.is_initialized():   # as deepspeed.initialize would, first
@@ -86,7 +101,7 @@ def _initialize_without_optimizer(layout: ResolvedLayout, arguments: dict):
         arguments["args"] = copy.copy(arguments["args"])
         arguments["args"].deepspeed_config = None
     if layout.log_layout and _rank() == 0:
-        print(f"[ds_asynchzp] {layout.describe()}", flush=True)
+        print(f"[ds_asynchzp] {layout.describe()}; {placement}", flush=True)
     with hpz_groups_while_built(layout.param_shard_size) if hierarchical else contextlib.nullcontext():
         return _ORIGINAL_INITIALIZE(**arguments, config=config)
 

@@ -1,6 +1,7 @@
 """The engine: stock `DeepSpeedEngine`, except that ZeRO-3 builds the hierarchical optimizer, a forward starts
 the prefetch's replay of the recorded fetch order, and the end of the last backward of an accumulation window
-starts the cross-node sum of the chunks still missing."""
+(`_backward_epilogue`, which both `engine.backward` and a torch-style backward run) starts the cross-node sum of the
+chunks still missing."""
 
 from __future__ import annotations
 
@@ -34,10 +35,12 @@ class AsyncHZPEngine(DeepSpeedEngine):
             self.optimizer.hzp_new_micro_step()
         return super().forward(*args, **kwargs)
 
-    def backward(self, *args, **kwargs):
-        result = super().backward(*args, **kwargs)
-        # After the whole backward (every reentrant phase included), the window's gradients are final: start
-        # the cross-node sum of every chunk not started yet. Readers (step(), safe_get_full_grad) wait for it.
+    def _backward_epilogue(self):
+        # Once per backward, after every reentrant phase, for `engine.backward(loss)` and a torch-style
+        # `loss.backward()` alike: at the accumulation boundary the window's gradients are final, so the cross-node
+        # sum of every chunk not started yet starts. Readers (step(), safe_get_full_grad) wait for it; a later
+        # backward of the same window reopens it.
+        result = super()._backward_epilogue()
         if isinstance(self.optimizer, HierarchicalZeroOptimizer) and self.is_gradient_accumulation_boundary():
             self.optimizer.hzp_start_window_reduction()
         return result

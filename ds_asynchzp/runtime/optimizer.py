@@ -49,6 +49,7 @@ from ..state.buffer_pool import BufferPool
 from ..state.error_feedback import ErrorFeedback
 from ..state.grad_shards import GradShards, Window
 from ..state.param_shards import ParamShards
+from ..state.partition_watch import PartitionWatch
 from ..state.sharded_buffer import ShardedBuffer
 from ..platform.deepspeed_internals import (STAGE3_AVG_SCATTER_CONTIGUOUS_GRADS, STAGE3_AVG_SCATTER_GRADS,
                                   DeepSpeedZeroOptimizer_Stage3, at_accumulation_boundary, check_stage3_instance,
@@ -142,6 +143,10 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
                 self._hzp_placement_of[param.ds_id] = placement
                 install_param_hooks(param, self.hzp_gather.all_gather_coalesced, self._hzp_parameter_updated,
                                     self._hzp_parameter_released)
+        self.hzp_partition_watch = PartitionWatch([b for p in self.hzp_placements
+                                                   if not p.shards.own_writes_reach_every_gather
+                                                   for b in p.shards.buffers], self._hzp_param_names)
+        self.hzp_partition_watch.record()
         if layout.log_layout and ds_comm.get_rank() == 0:
             print(f"[ds_asynchzp] {layout.describe()}", flush=True)
             for placement in self.hzp_placements[1:]:
@@ -317,6 +322,7 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         if param.ds_id in self._hzp_updated:
             self._hzp_updated.discard(param.ds_id)
             self._hzp_placement_of[param.ds_id].shards.buffer_of(param).note_host_access()
+            self.hzp_partition_watch.record()
 
     def _hzp_quiesce_params(self) -> None:
         """Before the parameter shards are rewritten: no gather may read them, no refresh may write them."""
@@ -408,6 +414,7 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         self._hzp_end_window()
 
     def step(self, closure=None):
+        self.hzp_partition_watch.check()
         self.hzp_gather.pause()
         self.hzp_finish_window()
         # The previous refresh reads the own atoms the step is about to overwrite.
@@ -426,6 +433,7 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         for placement in self._hzp_trainable_placements():
             placement.shards.zero_padding()
             placement.boundary.start_refresh([placement.trainable])
+        self.hzp_partition_watch.record()
         self._hzp_regather_persistent(gather_missing=True)
         self.timers.log(timer_names)
 
@@ -498,6 +506,14 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
     def update_fp32_grad_for_param_vectorized(self, update_func, param_list):
         return self._hzp_gradient_access(super().update_fp32_grad_for_param_vectorized, update_func, param_list)
 
+    def offload_states(self, *args, **kwargs):
+        raise NotImplementedError(
+            "offload_states() is not supported with async_hzp: it would move Stage 3's flat parameter and gradient "
+            "buffers, which are rows of AsyncHZP's shard buffers here; remove the async_hzp section to use it")
+
+    def reload_states(self, *args, **kwargs):
+        raise NotImplementedError("reload_states() is not supported with async_hzp (see offload_states)")
+
     # -------------------------------------------------------------------------------- checkpoints
     def load_state_dict(self, *args, **kwargs):
         self._hzp_quiesce_params()
@@ -520,6 +536,7 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             if placement.trainable is not None:
                 placement.boundary.start_refresh([placement.trainable])
             placement.boundary.refresh_params(frozen, exact=True)
+        self.hzp_partition_watch.record()
 
     def checkpoint_event_epilogue(self):
         # As stock: persistent parameters come back gathered after a checkpoint save or load.
@@ -537,6 +554,7 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             self.hzp_comm.close()
             self.hzp_pool.clear()
             self.hzp_gather.close()
+            self.hzp_partition_watch = PartitionWatch([], {})   # lets the shard buffers go
         super().destroy()
         for placement in self.hzp_placements:
             params = placement.shards.params

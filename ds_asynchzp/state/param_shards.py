@@ -80,6 +80,13 @@ class ParamShards:
             made.append(self._add(buffer))
         return made
 
+    @property
+    def own_writes_reach_every_gather(self) -> bool:
+        """Whether a write into this rank's own atoms reaches every gather of the parameter, as a write into a stock
+        partition does: only with one row and one optimizer replica (d_p = d_o = N). Otherwise other ranks hold
+        copies of the atoms (more rows), or other replicas' gathers never read them (d_o < N)."""
+        return self.rows == 1 and self.layout.optimizer_shard_size == self.layout.world
+
     def buffer_of(self, param) -> ShardedBuffer:
         return self._buffer_of[param.ds_id]
 
