@@ -602,3 +602,25 @@ def test_auto_accounts_for_the_parameter_and_accumulation_dtypes():
         assert chosen != (1, 4, 4)
         assert sizing.model_state_bytes_per_rank(PSI, 8, *chosen, param_bytes=b, grad_accum_bytes=a)["total"] \
             <= 5.2 * GIB
+
+
+def test_an_mpu_is_refused_naming_which_kind(monkeypatch):
+    """DeepSpeed's Ulysses sequence parallelism (ALST) passes its state module as the mpu; a Megatron-style mpu
+    carries tensor or pipeline groups. Each is refused by name, before any process group exists."""
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+    import ds_asynchzp
+
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+
+    class MegatronStyle:
+        def get_model_parallel_world_size(self):
+            return 2
+
+    with pytest.raises(AsyncHZPConfigError, match="Ulysses sequence parallelism") as info:
+        ds_asynchzp.resolve_for_initialize(config=make(), mpu=parallel_state_sp)
+    assert info.value.keys == ("mpu",)
+    with pytest.raises(AsyncHZPConfigError, match="model-parallel unit"):
+        ds_asynchzp.resolve_for_initialize(config=make(), mpu=MegatronStyle())
+    assert not dist.is_initialized()

@@ -51,8 +51,15 @@ def resolve_for_initialize(*args, **kwargs) -> ResolvedLayout | None:
     config = _ds_config_of(arguments)
     if config is None or section_from_ds_config(config) is None:
         return None
-    if arguments.get("mpu") is not None:
-        raise AsyncHZPConfigError("mpu", "model parallelism (an mpu) is not supported with async_hzp yet.",
+    mpu = arguments.get("mpu")
+    if mpu is not None and hasattr(mpu, "get_sequence_parallel_group"):
+        # ALST (deepspeed.runtime.sequence_parallel.parallel_state_sp) passes its state module as the mpu.
+        raise AsyncHZPConfigError("mpu", "is Ulysses sequence parallelism's state (ALST); sequence parallelism is not "
+                                  "supported with async_hzp yet.",
+                                  "remove the async_hzp section to train with Ulysses sequence parallelism.")
+    if mpu is not None:
+        raise AsyncHZPConfigError("mpu", "is a model-parallel unit (tensor or pipeline groups); model parallelism is "
+                                  "not supported with async_hzp.",
                                   "remove the async_hzp section, or train without an mpu.")
     model = arguments.get("model")
     if isinstance(model, PipelineModule):
