@@ -21,6 +21,7 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 from ..errors import PartitionWriteError
+from ..platform import streams
 from .sharded_buffer import ShardedBuffer
 
 SPANS_PER_BUFFER = 32
@@ -70,6 +71,8 @@ class PartitionWatch:
             if recorded is None:
                 continue
             changed = (self._fingerprints(buffer) != recorded).nonzero().flatten().tolist()
+            # Made on the stream current at `record`, read here on this one, replaced at the next `record`.
+            streams.keep_alive(recorded)
             for index in changed:
                 written += [self.names.get(p.ds_id, f"ds_id {p.ds_id}") for p in self._spans[id(buffer)][index][2]]
         if written:
