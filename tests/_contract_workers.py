@@ -50,9 +50,10 @@ class Net(torch.nn.Module):
 
 
 def _config(case: dict, arm: str) -> dict:
+    zero = {"stage": 3} if case.get("default_knobs") else {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                                             "reduce_bucket_size": 40}
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": case.get("gas", 1),
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                    "reduce_bucket_size": 40},
+              "zero_optimization": zero,
               "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0, "steps_per_print": 10**9}
     if case.get("unmanaged"):
         config["managed_gradient_accumulation"] = False

@@ -1,7 +1,7 @@
 """Stock ZeRO-3's contract where frameworks and user code touch it, AsyncHZP against stock in the same run.
 
-On 2 and 4 CPU ranks, with d_p = d_o and d_p < d_o, threads on and off (tests/_contract_workers.py runs each case
-under both arms):
+On 2 and 4 CPU ranks, with d_p = d_o and d_p < d_o, threads on and off, and once with DeepSpeed's default ZeRO-3
+knobs (tests/_contract_workers.py runs each case under both arms):
 
 * several backward() calls between two steps accumulate as in stock, whatever gradient_accumulation_steps says
   (a gradient after the window's cross-node sum reopens it, with a one-time warning), and DeepSpeed's
@@ -80,9 +80,11 @@ CASES = [
              ["fb", 3], ["step"], ["fb", 4], ["step"]]},
 ]
 
-# (ranks, ranks per node, section, d_p, d_o)
+# (ranks, ranks per node, section, d_p, d_o[, DeepSpeed's default ZeRO-3 knobs]); the others partition every
+# parameter and flush small gradient buckets.
 LAYOUTS = {
     "2x1-dp1-do2-async": (2, 1, {"node_size": 1}, 1, 2),
+    "2x1-dp1-do2-async-default-knobs": (2, 1, {"node_size": 1}, 1, 2, True),
     "2x2-dp2-do2-sync": (2, 2, {"node_size": 2, "async_comm": False}, 2, 2),
     "4x2-dp2-do4-async": (4, 2, {"node_size": 2}, 2, 4),
     "4x2-dp2-do2-sync": (4, 2, {"node_size": 2, "optimizer_shard_size": 2, "async_comm": False}, 2, 2),
@@ -91,8 +93,8 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
 def launched(request):
-    world, node, section, d_p, d_o = LAYOUTS[request.param]
-    cases = [dict(case, section=section) for case in CASES]
+    world, node, section, d_p, d_o, *defaults = LAYOUTS[request.param]
+    cases = [dict(case, section=section, default_knobs=bool(defaults)) for case in CASES]
     env = {"PYTHONPATH": str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     ranks = launch_local("tests._contract_workers:run_contract", world, node, {"cases": cases},
                          timeout_s=LAUNCH_TIMEOUT_S, env=env)
