@@ -175,13 +175,15 @@ class ParamGather:
         self._plans.clear()
 
     # ------------------------------------------------------------------------------ the gather job
-    def _submit(self, params: Sequence[torch.nn.Parameter], flow: str, quantize: bool = False):
+    def _submit(self, params: Sequence[torch.nn.Parameter], flow: str, quantize: bool = False,
+                checked: bool = False):
         params = sorted(params, key=lambda p: p.ds_id)     # the concatenation order is part of the contract
         # One collective per family (its own group) and dtype (a concatenation would promote silently).
         by_key: Dict[tuple, List[torch.nn.Parameter]] = {}
         for param in params:
             plan = self._plan(param)
-            self._check_partition(param, plan)
+            if not checked:     # the coordinator's requests were checked before they were marked in flight
+                self._check_partition(param, plan)
             by_key.setdefault(plan[:2], []).append(param)
         groups = [(self.sources[key[0]], members) for key, members in sorted(by_key.items())]
         waits = [job for source, members in groups for job in source.refresh_waits(members)]
@@ -246,7 +248,7 @@ class ParamGather:
             self.stats["prefetched"] += 1
             handle.params = params
         else:
-            handle = GatherHandle(self, params, self._submit(params, flow, quantize=flow == self.FETCH))
+            handle = GatherHandle(self, params, self._submit(params, flow, quantize=flow == self.FETCH, checked=True))
         self._follow(key, params)
         return handle
 

@@ -83,19 +83,18 @@ def _initialize_without_optimizer(layout: ResolvedLayout, arguments: dict):
     partitioned already) the engine is stock's, and the log line says why."""
     config = copy.deepcopy(load_ds_config(_ds_config_of(arguments)))
     model = arguments.get("model")
+    why_stock = None
     if not 1 < layout.param_shard_size < layout.world_size:
-        placement = f"parameters partitioned over the {layout.world_size} ranks, as stock (d_p = world)"
+        why_stock = "d_p is the world"
     elif autoep_size(config) is not None:
-        placement = ("parameters partitioned over the world, as stock: DeepSpeed 0.19.8's AutoEP refuses hpZ's "
-                     "secondary partition")
+        why_stock = "DeepSpeed 0.19.8's AutoEP refuses hpZ's secondary partition"
     elif model is not None and any(is_zero_param(p) for p in model.parameters()):
-        placement = ("parameters partitioned over the world, as stock: deepspeed.zero.Init partitioned them when the "
-                     "model was built (e.g. from_pretrained under ZeRO-3), and DeepSpeed keeps that partitioning")
-    else:
-        placement = (f"parameters sharded over d_p={layout.param_shard_size} inside the node (ZeRO++'s hierarchical "
-                     "partition, zero_hpz_partition_size): after its first gather a parameter is gathered inside "
-                     "the node")
-    hierarchical = placement.startswith("parameters sharded")
+        why_stock = ("deepspeed.zero.Init partitioned them when the model was built (e.g. from_pretrained under "
+                     "ZeRO-3), and DeepSpeed keeps that partitioning")
+    hierarchical = why_stock is None
+    placement = (f"parameters sharded over d_p={layout.param_shard_size} inside the node (ZeRO++'s hierarchical "
+                 "partition, zero_hpz_partition_size): after its first gather a parameter is gathered inside the node"
+                 if hierarchical else f"parameters partitioned over the world, as stock: {why_stock}")
     if hierarchical:
         config.setdefault("zero_optimization", {})["zero_hpz_partition_size"] = layout.param_shard_size
         if not ds_comm.is_initialized():   # as deepspeed.initialize would, first
