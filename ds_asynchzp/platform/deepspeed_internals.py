@@ -63,6 +63,10 @@ _REQUIRED_CLASS_MEMBERS = [
     (DeepSpeedZeroOptimizer_Stage3, "_get_param_partition_group", "per-parameter partition group"),
     (DeepSpeedZeroOptimizer_Stage3, "destroy", "releases hooks and buffers"),
     (DeepSpeedZeroOptimizer_Stage3, "has_overflow", "fp16 overflow check over every family's gradients"),
+    (DeepSpeedZeroOptimizer_Stage3, "independent_gradient_partition_epilogue", "writes averaged_gradients (no wait)"),
+    (DeepSpeedZeroOptimizer_Stage3, "_get_norm_groups", "gradient norms read outside step() wait for the window"),
+    (DeepSpeedZeroOptimizer_Stage3, "offload_states", "refused: it would move the shard buffers' rows"),
+    (DeepSpeedZeroOptimizer_Stage3, "reload_states", "refused with offload_states"),
 ]
 
 
