@@ -15,6 +15,14 @@ def value_in(section: Any, key: str) -> Any:
     return section.get(key) if isinstance(section, dict) else None
 
 
+def offloads_optimizer(ds_config: dict) -> bool:
+    """Whether the ds_config puts the optimizer states on the host (``offload_optimizer.device: "cpu"``), the one
+    offload AsyncHZP takes (``compat_issues`` refuses the others by name)."""
+    zero = ds_config.get("zero_optimization")
+    device = value_in(value_in(zero, "offload_optimizer") if isinstance(zero, dict) else None, "device")
+    return str(device).lower() == "cpu"
+
+
 def compat_issues(ds_config: dict) -> list[ConfigIssue]:
     """Settings elsewhere in the ds_config that AsyncHZP needs or cannot combine with.
 
