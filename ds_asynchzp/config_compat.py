@@ -64,18 +64,7 @@ def compat_issues(ds_config: dict) -> list[ConfigIssue]:
             issues.append(ConfigIssue(f"zero_optimization.{key}",
                                       "is true; ZeRO++ quantization cannot be combined with async_hzp.", f"{fix}."))
 
-    for key in ("offload_param", "offload_optimizer"):
-        offload = zero.get(key)
-        device = offload.get("device", "none") if isinstance(offload, dict) else None
-        if device is not None and str(device).lower() != "none":
-            issues.append(ConfigIssue(f"zero_optimization.{key}.device",
-                                      f"is {device!r}; offloading is not supported together with async_hzp.",
-                                      f'set zero_optimization.{key}.device to "none" or remove zero_optimization.{key}.'))
-    # Deprecated spellings of the same offload features.
-    for key, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
-        if zero.get(key):
-            issues.append(ConfigIssue(f"zero_optimization.{key}", f"is true (deprecated spelling of {new}); offloading "
-                                      "is not supported together with async_hzp.", f"remove zero_optimization.{key}."))
+    issues += _offload_issues(zero)
     # Super-offload replaces the Stage 3 optimizer class that async_hzp subclasses, even with device "none".
     if value_in(zero.get("offload_optimizer"), "super_offload"):
         issues.append(ConfigIssue("zero_optimization.offload_optimizer.super_offload",
@@ -116,6 +105,51 @@ def compat_issues(ds_config: dict) -> list[ConfigIssue]:
     return issues
 
 
+
+
+def _offload_issues(zero: dict) -> list[ConfigIssue]:
+    """Optimizer states on the host (``offload_optimizer.device: "cpu"``, DeepSpeedCPUAdam) are taken; every other
+    offload is refused by name, with why and what to use instead."""
+    issues = []
+    param_device = value_in(zero.get("offload_param"), "device")
+    if param_device is not None and str(param_device).lower() != "none":
+        issues.append(ConfigIssue(
+            "zero_optimization.offload_param.device",
+            f"is {param_device!r}; parameter offload would move the node's parameter shard over PCIe at every "
+            "micro-step (each gather reads it), against the placement that keeps it on the device.",
+            'set zero_optimization.offload_param.device to "none" (offload_optimizer with device "cpu" moves the '
+            "larger optimizer states instead), or remove the async_hzp section."))
+    optimizer = zero.get("offload_optimizer")
+    device = str(value_in(optimizer, "device")).lower() if value_in(optimizer, "device") is not None else "none"
+    if device == "nvme":
+        issues.append(ConfigIssue(
+            "zero_optimization.offload_optimizer.device",
+            "is 'nvme'; async_hzp offloads optimizer states to host memory only.",
+            'set zero_optimization.offload_optimizer.device to "cpu", or remove the async_hzp section.'))
+    elif device not in ("none", "cpu"):
+        issues.append(ConfigIssue("zero_optimization.offload_optimizer.device", f"is {device!r}.",
+                                  'use "cpu" or "none".'))
+    ratio = value_in(optimizer, "ratio")
+    if device == "cpu" and isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and ratio < 1:
+        issues.append(ConfigIssue(
+            "zero_optimization.offload_optimizer.ratio",
+            f"is {ratio}; partial offload (part of the optimizer stepped on the device by a backup optimizer) is not "
+            "supported together with async_hzp.", "remove zero_optimization.offload_optimizer.ratio (or set it "
+            "to 1.0), or lower the device memory with a smaller async_hzp.grad_shard_size instead."))
+    if zero.get("zenflow") is not None:
+        issues.append(ConfigIssue(
+            "zero_optimization.zenflow",
+            "is set; ZenFlow replaces the ZeRO-3 step and gradient hooks that async_hzp builds on.",
+            'remove zero_optimization.zenflow (offload_optimizer with device "cpu" alone is supported), or remove '
+            "the async_hzp section."))
+    # Deprecated spellings of the offload features (DeepSpeed maps them onto the sections above).
+    for key, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
+        if zero.get(key):
+            fix = ('use zero_optimization.offload_optimizer: {"device": "cpu"} instead' if key == "cpu_offload"
+                   else "remove it")
+            issues.append(ConfigIssue(f"zero_optimization.{key}", f"is true, a deprecated spelling of {new}.",
+                                      f"{fix}."))
+    return issues
 
 
 def autoep_size(ds_config: dict) -> int | None:

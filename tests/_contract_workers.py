@@ -57,6 +57,9 @@ def _config(case: dict, arm: str) -> dict:
               "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0, "steps_per_print": 10**9}
     if case.get("unmanaged"):
         config["managed_gradient_accumulation"] = False
+    if case.get("offload"):
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        config["zero_force_ds_cpu_optimizer"] = False   # the client SGD steps the host master weights
     if arm == "hzp":
         config["async_hzp"] = dict(case["section"], log_layout=False)
     return config

@@ -31,6 +31,10 @@ def ds_config(spec: dict, hierarchical: bool) -> dict:
         "zero_optimization": dict({"stage": 3}, **spec["zero"]),
         "steps_per_print": 10**9,
     }
+    if spec.get("offload"):
+        # Both arms: DeepSpeed then steps with DeepSpeedCPUAdam on host master weights (stock's offload path is
+        # the reference).
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if hierarchical:
         config["async_hzp"] = dict(spec["layout"], node_size=spec["node_size"], async_comm=spec["async_comm"],
                                    log_layout=False)
@@ -76,8 +80,10 @@ def _train(spec: dict, hierarchical: bool) -> dict:
         with deepspeed.zero.GatheredParameters([param]):
             final[name] = param.detach().double().clone()
     optimizer = type(engine.optimizer).__name__
+    host_optimizer = type(engine.optimizer.optimizer).__name__
     engine.destroy()
-    return {"losses": losses, "final": final, "outside_reads": outside_reads, "optimizer": optimizer}
+    return {"losses": losses, "final": final, "outside_reads": outside_reads, "optimizer": optimizer,
+            "host_optimizer": host_optimizer}
 
 
 def _compare(stock: dict, ours: dict) -> dict:
@@ -88,7 +94,8 @@ def _compare(stock: dict, ours: dict) -> dict:
     return {"max_loss_rel_diff": loss_diff, "param_rel_l2_diff": math.sqrt(delta / max(norm, 1e-300)),
             "outside_read_rel_diff": max(reads, default=0.0),
             "bit_identical": ours["losses"] == stock["losses"],
-            "losses": ours["losses"], "stock_losses": stock["losses"], "optimizer": ours["optimizer"]}
+            "losses": ours["losses"], "stock_losses": stock["losses"], "optimizer": ours["optimizer"],
+            "host_optimizer": ours["host_optimizer"], "stock_host_optimizer": stock["host_optimizer"]}
 
 
 @contextlib.contextmanager
@@ -112,6 +119,15 @@ def planted(name: str):
 
         def replacement(self, params, comm_dtype, first=False):
             return original(self, params, comm_dtype, first=False)
+    elif name == "offload_every_param":
+        # Every reduced parameter's summed gradient goes to the host at the boundary, as without offload, instead of
+        # those stock's offload copies (the ones reduced in the window's last backward).
+        from ds_asynchzp.runtime import host_offload
+        owner, attribute = host_offload.HostOffload, "reduced"
+        original = owner.reduced
+
+        def replacement(self, params, at_boundary):
+            original(self, params, True)
     elif name:
         raise ValueError(f"unknown planted defect {name!r}")
     else:

@@ -74,6 +74,19 @@ def planted(fault):
     elif fault == "overflow_order":
         # 5: the fp16 overflow check's side stream is not ordered after our gradient writes.
         patch(HierarchicalZeroOptimizer, "_hzp_order_overflow_check", lambda self: None)
+    elif fault == "copy_before_sum":
+        # 6: optimizer offload: a chunk's copy to the host does not wait for the chunk's cross-node sum.
+        from ds_asynchzp.comm.host_copy import GradToHost
+        patch(GradToHost, "_after", lambda self, summed: None)
+    elif fault == "refresh_before_h2d":
+        # 7: optimizer offload: a stepped sub-group's refresh does not wait for its host-to-device copy.
+        from ds_asynchzp.state.param_shards import ParamShards
+
+        def zero_padding_unrecorded(self, buffer, start, end):
+            for owner, column, view in self._padding:
+                if owner is buffer and start <= column < end:
+                    view.zero_()
+        patch(ParamShards, "zero_padding_in", zero_padding_unrecorded)
     elif fault:
         raise ValueError(f"unknown planted fault {fault!r}")
     try:

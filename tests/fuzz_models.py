@@ -106,6 +106,8 @@ def case_spec(seed: int, worlds=((4, 2), (4, 4), (8, 4), (8, 2))) -> dict:
         "modify_at": rng.choice([None, None, 2]),
         "lr": rng.choice([1e-2, 3e-3]), "weight_decay": rng.choice([0.0, 0.01]),
     }
+    # Drawn last, so the fields above stay what they were for every seed.
+    spec["offload"] = rng.random() < 0.3
     return spec
 
 
@@ -115,7 +117,7 @@ def describe(spec: dict) -> str:
     return (f"seed {spec['seed']}: {spec['world']} ranks in nodes of {spec['node_size']}, d_p={layout['param_shard_size']} "
             f"d_g={layout['grad_shard_size']} d_o={layout['optimizer_shard_size']}, {spec['knob_name']} knobs "
             f"{spec['zero']}, gas {spec['gas']}, clip {spec['clip']}, async {spec['async_comm']}, "
-            f"tied {spec['model']['tied']}, blocks {kinds}")
+            f"tied {spec['model']['tied']}, offload {bool(spec.get('offload'))}, blocks {kinds}")
 
 
 # ------------------------------------------------------------------------------------------------ the model

@@ -17,6 +17,11 @@ DeepSpeed enters its own side streams exactly where it does on a GPU), and recor
   stream with kernels of its previous owner still queued.
 * `current_stream()` returns a new wrapper at every call, equal to the others of its stream but not the same
   object, as CUDA's does.
+* host memory: a tensor given to the accelerator's `pin_memory` (DeepSpeed pins the host optimizer's gradients
+  under optimizer offload) is host memory. An op that touches only host memory runs on the host at once, not on a
+  stream: it is ordered only by what its thread synchronised on, and whatever the thread enqueues afterwards comes
+  after it (each thread's host is a stream of its own here). A copy between host and device memory is a kernel on
+  the current stream; a blocking one (`non_blocking=False`) also synchronises the host with that stream.
 
 It then checks, per byte range of every storage: a read comes after the write that produced its contents; a
 write comes after every read and the write of the previous contents; and memory freed to the caching allocator
@@ -290,7 +295,7 @@ class StreamModel:
         self._seen = 0
         self.violations: List[Violation] = []
         self._reported = set()
-        self.stats = {"kernels": 0, "records": 0, "waits": 0, "frees_checked": 0, "host_syncs": 0}
+        self.stats = {"kernels": 0, "records": 0, "waits": 0, "frees_checked": 0, "host_syncs": 0, "host_ops": 0}
         self.default = FakeStream(self, "default (compute)")
         self._schemas = {}
         self._saved = None
@@ -413,17 +418,39 @@ class StreamModel:
             cached = self._schemas[func] = (args, view_only, f"{namespace}::{base}")
         return cached
 
+    def register_host(self, tensor: torch.Tensor) -> None:
+        """`tensor`'s storage is host memory (pinned): pinning copies it into new host memory, written by the
+        calling thread's host."""
+        if tensor.untyped_storage().nbytes() == 0:
+            return
+        with self._lock:
+            shadow = self._shadow_of(tensor, create=True, alloc_stream=None)
+            shadow.host, shadow.alloc_stream, shadow.segments, shadow.starts = True, None, [], []
+            host = self._host_stream()
+            self._merge_host(host)
+            host.clock[host.id] += 1
+            self._access(tensor, host, Access(host.id, host.clock[host.id], "pin_memory", _site()), write=True)
+            self._host_sync({host.id: host.clock[host.id]})
+
+    def _is_host(self, tensor: torch.Tensor) -> bool:
+        if tensor.untyped_storage().nbytes() == 0:
+            return False
+        shadow = self._shadow_of(tensor, create=False, alloc_stream=None)
+        return shadow is not None and getattr(shadow, "host", False)
+
+    def _host_stream(self) -> FakeStream:
+        """The calling thread's host, as a stream: its ops run in program order, after what the thread
+        synchronised on."""
+        stream = getattr(self._local, "host_stream", None)
+        if stream is None:
+            stream = self._local.host_stream = FakeStream(self, f"host of thread {threading.current_thread().name}")
+        return stream
+
     def _kernel(self, func, args, kwargs, result) -> None:
         spec, view_only, name = self._schema(func)
         if view_only:
             return
         with self._lock:
-            stream = self.current()
-            self._merge_host(stream)
-            stream.clock[stream.id] += 1
-            access = Access(stream.id, stream.clock[stream.id], name, _site())
-            self.stats["kernels"] += 1
-            self._check_frees()
             reads, writes = [], []
             for index, (arg_name, reads_it, writes_it) in enumerate(spec):
                 value = args[index] if index < len(args) else kwargs.get(arg_name)
@@ -432,7 +459,21 @@ class StreamModel:
                         writes.append(tensor)
                     if reads_it:
                         reads.append(tensor)
+            touched = [self._is_host(t) for t in reads + writes]
+            # A 0-dim operand beside host memory is a host scalar (a CUDA one would not mix with host memory).
+            on_host = any(touched) and all(h or t.dim() == 0 for h, t in zip(touched, reads + writes))
+            stream = self._host_stream() if on_host else self.current()
+            self._merge_host(stream)
+            stream.clock[stream.id] += 1
+            access = Access(stream.id, stream.clock[stream.id], name, _site())
+            self.stats["host_ops" if on_host else "kernels"] += 1
+            self._check_frees()
             inputs = {id(t) for t in reads + writes}
+            if on_host:
+                # Its 0-dim operands outside host memory are host scalars (on a GPU, CPU tensors such as the norm
+                # stock's offload path brings to the host); the model does not follow them.
+                reads = [t for t in reads if self._is_host(t)]
+                writes = [t for t in writes if self._is_host(t)]
             for tensor in reads:
                 self._access(tensor, stream, access, write=False)
             for tensor in writes:
@@ -440,7 +481,10 @@ class StreamModel:
             for tensor in _tensors(result):
                 if id(tensor) in inputs:
                     continue
-                fresh = self._fresh(tensor, stream)
+                fresh = self._fresh(tensor, None if on_host else stream)
+                if fresh and on_host:
+                    # Host memory of the host's op (not the caching allocator's): written there, never "freed".
+                    self._shadow_of(tensor, create=False, alloc_stream=None).host = True
                 if fresh:
                     # An allocation counts as a write on the allocating stream even where it writes nothing
                     # (`empty`): the caching allocator hands out a block freed on that stream at once, while
@@ -449,6 +493,10 @@ class StreamModel:
                     self._access(tensor, stream, access, write=True)
             if isinstance(result, (bool, int, float)) and not isinstance(result, torch.Tensor):
                 self._host_sync(dict(stream.clock))     # .item(), .equal(): the host waited for the stream
+            elif on_host:
+                self._host_sync({stream.id: stream.clock[stream.id]})   # later work of the thread comes after it
+            elif any(touched) and name == "aten::copy_" and not _non_blocking(args, kwargs):
+                self._host_sync(dict(stream.clock))     # a blocking copy to or from the host waits for the stream
             self._seen += 1
             if self._seen % 2000 == 0:
                 self._sweep()
@@ -472,7 +520,7 @@ class StreamModel:
         existing = self._shadows.get(tensor.untyped_storage().data_ptr())
         if existing is not None and not existing.ref.expired():
             return False
-        self._shadow_of(tensor, create=True, alloc_stream=stream.id)
+        self._shadow_of(tensor, create=True, alloc_stream=stream.id if stream is not None else None)
         return True
 
     def _access(self, tensor: torch.Tensor, stream, access: Access, write: bool) -> None:
@@ -592,6 +640,10 @@ class StreamModel:
             def synchronize(self, device_index=None):
                 model.device_synchronize()
 
+            def pin_memory(self, tensor, align_bytes=1):
+                model.register_host(tensor)
+                return tensor
+
         self._saved = (accelerator, base, torch.Tensor.record_stream)
         accelerator.__class__ = ModelledAccelerator
         torch.Tensor.record_stream = lambda tensor, stream: model.record_stream(tensor, stream)
@@ -611,6 +663,10 @@ class StreamModel:
         torch.Tensor.record_stream = record_stream
         StreamModel.active = None
         self._saved = None
+
+
+def _non_blocking(args, kwargs) -> bool:
+    return bool(kwargs.get("non_blocking", args[2] if len(args) > 2 else False))
 
 
 def _tensors(value):

@@ -104,10 +104,17 @@ BAD = [
     ("qwZ", make(zero={"zero_quantized_weights": True}), 8, 4, {}, {}, "zero_optimization.zero_quantized_weights"),
     ("qwZ-nontrainable", make(zero={"zero_quantized_nontrainable_weights": True}), 8, 4, {}, {},
      "zero_optimization.zero_quantized_nontrainable_weights"),
-    ("offload-optim", make(zero={"offload_optimizer": {"device": "cpu"}}), 8, 4, {}, {},
+    # Optimizer states on the host are taken (device "cpu"); every other offload is refused by name.
+    ("offload-optim-nvme", make(zero={"offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}), 8, 4, {}, {},
      "zero_optimization.offload_optimizer.device"),
+    ("offload-optim-ratio", make(zero={"offload_optimizer": {"device": "cpu", "ratio": 0.5}}), 8, 4, {}, {},
+     "zero_optimization.offload_optimizer.ratio"),
+    ("zenflow", make(zero={"offload_optimizer": {"device": "cpu"}, "zenflow": {"topk_ratio": 0.1}}), 8, 4, {}, {},
+     "zero_optimization.zenflow"),
     ("offload-param", make(zero={"offload_param": {"device": "nvme"}}), 8, 4, {}, {},
      "zero_optimization.offload_param.device"),
+    ("offload-param-cpu", make(zero={"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}),
+     8, 4, {}, {}, "zero_optimization.offload_param.device"),
     ("cpu-offload-legacy", make(zero={"cpu_offload": True}), 8, 4, {}, {}, "zero_optimization.cpu_offload"),
     # DeepSpeed 0.19.8 builds SuperOffloadOptimizer_Stage3 from this flag whatever the offload device.
     ("super-offload", make(zero={"offload_optimizer": {"device": "none", "super_offload": True}}), 8, 4, {}, {},
@@ -278,6 +285,9 @@ GOOD = [
     ("harmless-zero-keys", make(zero={"zero_hpz_partition_size": 1, "offload_param": {"device": "none"}}), 8, 4, {}, {},
      (4, 4, 8)),
     ("reduce-scatter-false", make(zero={"reduce_scatter": False}), 8, 4, {}, {}, (4, 4, 8)),
+    # HF's, LLaMA-Factory's and axolotl's ZeRO-3 offload configs: optimizer states on the host, pinned.
+    ("offload-optimizer-cpu", make(zero={"offload_optimizer": {"device": "cpu", "pin_memory": True}}), 8, 4, {}, {},
+     (4, 4, 8)),
     # "auto" (bf16, A = 1, default bandwidths 100 / 25 GB/s; see test_auto_cost_table for the numbers):
     # all three free and a generous budget: the cheapest layout, d_o inside the node.
     ("auto-all-generous", make({"param_shard_size": "auto", "grad_shard_size": "auto", "optimizer_shard_size": "auto",

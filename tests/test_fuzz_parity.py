@@ -43,6 +43,8 @@ CI_SEEDS = [1, 2, 3, 4, 20, 89, 146, 165, 188]
 LONG_EXTRA_SEEDS = [48]
 # Defects planted in AsyncHZP (tests/_fuzz_workers.planted), each run on the CI seeds of 4 ranks in nodes of 2.
 PLANTS = ("zero_stale_gradient", "first_adds")
+# Planted in the offload path, run on the offload cases.
+OFFLOAD_PLANTS = ("offload_every_param",)
 PLANT_KEY = 100000
 # At most this many cases per launch, so that every launch ends well inside its timeout (a case of 8 ranks takes
 # up to 25 s on 2 cores); the CI set is one launch per layout.
@@ -79,12 +81,58 @@ def branch_regression_specs(world: int, node: int) -> list:
     return specs
 
 
+# Optimizer offload against stock ZeRO-3 with the same offload (DeepSpeedCPUAdam on both sides), 4 ranks in 2
+# nodes: d_p < d_o across nodes, d_g spanning nodes, optimizer replicas (d_o < N), grad accumulation 1 and 4, a
+# branch taken on some steps (stock's offload keeps a stale host gradient for a parameter the last backward missed),
+# a frozen block, clipping, async on and off. A branch run on even micro-steps only gets no gradient in the last
+# backward of a window of 2 or 4: stock's offload never copies it to the host (it steps with the host gradient it
+# had), where the path without offload steps with it.
+OFFLOAD_LAYOUTS = ((1, 1, 4, 4, True), (2, 2, 4, 1, False), (2, 4, 4, 4, True), (1, 2, 2, 4, False),
+                   (2, 2, 4, 2, True))
+OFFLOAD_SEED = 960
+# CI seeds drawn at random, run once more with offload on.
+OFFLOAD_CI_SEEDS = (4, 10, 165)
+OFFLOAD_KEY = 400000
+
+
+def ci_spec(seed: int) -> dict:
+    """A CI seed's case without offload (the long run draws it): the CI seeds were chosen for the gradient path
+    without it, where the planted defects show, and offload has its own cases below."""
+    return dict(fuzz_models.case_spec(seed), offload=False)
+
+
+def offload_specs() -> list:
+    specs = []
+    for i, (d_p, d_g, d_o, gas, async_comm) in enumerate(OFFLOAD_LAYOUTS):
+        spec = _spec_with(OFFLOAD_SEED + i, 4, 2, (d_p, d_g, d_o), {}, "defaults", async_comm,
+                          "step_even" if i % 2 == 0 else "micro_even", steps=6)
+        spec["model"]["blocks"].append({"kind": "frozen", "hidden": 7, "bias": True, "bf16": False})
+        # Clipping that binds on every other case (norms here are about 0.3): the norm counts what stock copied.
+        specs.append(dict(spec, gas=gas, offload=True, clip=0.05 if i % 2 == 0 else 1.0))
+    for seed in OFFLOAD_CI_SEEDS:
+        specs.append(dict(fuzz_models.case_spec(seed), offload=True, key=str(OFFLOAD_KEY + seed)))
+    return specs
+
+
+def offload_planted_specs() -> list:
+    return [dict(spec, plant=plant, key=str(OFFLOAD_KEY * (i + 2) + int(spec.get("key", spec["seed"])) % OFFLOAD_KEY))
+            for i, plant in enumerate(OFFLOAD_PLANTS) for spec in offload_specs()]
+
+
+def test_the_fuzzer_catches_a_planted_offload_defect(ci_results):
+    """Copying every parameter's gradient to the host at the boundary (the rule without offload) instead of those
+    stock's offload copies is caught."""
+    keys = [int(s["key"]) for s in offload_planted_specs()]
+    found = failures({k: ci_results[k] for k in keys})
+    assert found, f"the planted offload defect went unnoticed by {len(keys)} cases"
+
+
 def planted_specs() -> list:
     """Each planted defect on each CI seed of 4 ranks in nodes of 2 (keys PLANT_KEY * (i + 1) + seed)."""
     specs = []
     for i, plant in enumerate(PLANTS):
         for seed in CI_SEEDS:
-            spec = fuzz_models.case_spec(seed)
+            spec = ci_spec(seed)
             if (spec["world"], spec["node_size"]) == (4, 2):
                 specs.append(dict(spec, plant=plant, key=str(PLANT_KEY * (i + 1) + seed)))
     return specs
@@ -137,8 +185,8 @@ def _report(found: list) -> str:
 
 @pytest.fixture(scope="module")
 def ci_results(deepspeed_cpu_ops):
-    return run_specs([fuzz_models.case_spec(s) for s in CI_SEEDS] + branch_regression_specs(4, 2)
-                     + planted_specs() + rank_gate_specs())
+    return run_specs([ci_spec(s) for s in CI_SEEDS] + branch_regression_specs(4, 2)
+                     + offload_specs() + planted_specs() + offload_planted_specs() + rank_gate_specs())
 
 
 def test_fuzz_ci_seeds_train_as_stock_zero3(ci_results):
@@ -168,6 +216,20 @@ def test_the_fuzzer_catches_a_planted_defect(ci_results, plant):
     assert keys, "the CI seeds include 4 ranks in nodes of 2"
     found = failures({k: ci_results[k] for k in keys})
     assert found, f"planted defect {plant} went unnoticed by {len(keys)} cases"
+
+
+def test_optimizer_offload_trains_as_stock_zero3_with_offload(ci_results):
+    """With `offload_optimizer: cpu` on both sides: losses within 1e-6 and parameters within 5e-6 of stock, over
+    the layouts above; both step with DeepSpeedCPUAdam."""
+    specs = offload_specs()
+    keys = [int(s.get("key", s["seed"])) for s in specs]
+    found = failures({k: ci_results[k] for k in keys})
+    assert not found, _report(found)
+    for key in keys:
+        first = ci_results[key][1][0]
+        assert "stock_error" not in first, first["stock_error"]
+        assert first["optimizer"] == "HierarchicalZeroOptimizer"
+        assert first["host_optimizer"] == first["stock_host_optimizer"] == "DeepSpeedCPUAdam"
 
 
 RANK_GATE_SEEDS = (950, 951)

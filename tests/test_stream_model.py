@@ -155,6 +155,48 @@ def test_comm_streams_are_high_priority_and_synchronised_before_the_context_clos
     assert sorted(synced) == sorted(r.name for r in runners)
 
 
+def test_the_host_reads_a_copy_to_host_memory_only_after_a_host_synchronisation(model):
+    """Pinned host memory written by a copy on a stream: an op on the host that reads it runs at once, so it needs
+    the host to have synchronised on that copy; a wait of the current stream is not enough."""
+    acc = _accelerator()
+    side = acc.Stream()
+    for synchronised in (True, False):
+        device, host = torch.ones(8), acc.pin_memory(torch.zeros(8))
+        side.wait_stream(acc.current_stream())
+        with acc.stream(side):
+            host.copy_(device, non_blocking=True)
+            done = acc.Event()
+            done.record()
+        acc.current_stream().wait_event(done)   # orders the device, not the host
+        if synchronised:
+            done.synchronize()
+        host.mul_(2)                            # on the host, in place: its write is reported first
+        assert [v.kind for v in model.finish()] == ([] if synchronised else ["write-after-write"])
+
+
+def test_work_a_thread_enqueues_after_its_host_op_comes_after_it(model):
+    """A host op has run when it returns: a copy the same thread enqueues next is ordered after it, a copy another
+    thread enqueues is not, unless an event the first thread recorded afterwards orders it."""
+    import threading
+
+    acc = _accelerator()
+    side, device = acc.Stream(), torch.ones(8)
+    for ordered in (True, False):
+        host = acc.pin_memory(torch.zeros(8))
+        host.add_(1)                            # on the host
+        after = acc.current_stream().record_event()
+
+        def job():
+            with acc.stream(side):
+                if ordered:
+                    side.wait_event(after)
+                host.copy_(device, non_blocking=True)
+        thread = threading.Thread(target=job)
+        thread.start()
+        thread.join()
+        assert [v.kind for v in model.finish()] == ([] if ordered else ["write-after-write"])
+
+
 def test_host_order_between_threads_orders_no_stream(model):
     """A thread's job that returned has only enqueued its kernels: joining it is not a wait on its stream."""
     import threading
@@ -177,6 +219,9 @@ def test_host_order_between_threads_orders_no_stream(model):
 BASE = {"model": "tiny", "gas": 2, "steps": 3, "seq_len": 16, "default_knobs": True}
 NODE = {"node_size": 2}
 NO_PERSISTENCE = {"stage3_param_persistence_threshold": 0}
+OFFLOAD = {"device": "cpu", "pin_memory": True}
+# Elements per optimizer sub-group: the tiny model's parameters then make several, each stepped and refreshed apart.
+SMALL_SUB_GROUPS = 20000
 
 
 def _case(name, **over):
@@ -206,6 +251,10 @@ PARITY_CASES = [
     _case("edited_while_gathered", zero=NO_PERSISTENCE, modify_at=1),
     _case("user_stream", zero=NO_PERSISTENCE, user_stream=True),                # compute is not the default stream
     _case("window_reopened", zero=NO_PERSISTENCE, extra_backward=True),         # a backward after the boundary
+    # Optimizer states on the host: the chunk copies to pinned host memory, the host step, the copies back and the
+    # refresh of each stepped sub-group (several sub-groups), by default (pinned) and with the window reopened.
+    _case("offload", zero=dict(NO_PERSISTENCE, offload_optimizer=OFFLOAD, sub_group_size=SMALL_SUB_GROUPS)),
+    _case("offload_reopened", zero=dict(NO_PERSISTENCE, offload_optimizer=OFFLOAD), extra_backward=True),
 ]
 # Stock ZeRO-3 under the model: DeepSpeed's own ordering is clean, so whatever the model finds is ours.
 TWINNED = ("defaults", "gathers_prefetched", "fp16", "user_stream")
@@ -231,6 +280,13 @@ PLANTED = {
                     "read-after-write", "_reassign_or_swap_out_partitioned_parameters"),
     # A new pool buffer (a miss) written by the gather stream before the allocating stream's earlier kernels.
     "pool_miss_event": (_case("plant_pool_miss_event", zero=NO_PERSISTENCE), "write-after-", "unpack_gathered"),
+    # 6: optimizer offload: a chunk copied to the host before its cross-node sum is done.
+    "copy_before_sum": (_case("plant_copy_before_sum", zero=dict(NO_PERSISTENCE, offload_optimizer=OFFLOAD)),
+                        "read-after-write", "comm/host_copy.py"),
+    # 7: optimizer offload: a sub-group's refresh sends the own row before the host-to-device copy wrote it.
+    "refresh_before_h2d": (_case("plant_refresh_before_h2d", zero=dict(NO_PERSISTENCE, offload_optimizer=OFFLOAD,
+                                                                       sub_group_size=SMALL_SUB_GROUPS)),
+                           "read-after-write", "_reassign_or_swap_out_partitioned_parameters"),
     # 5: the fp16 overflow check reads the gradient partition on DeepSpeed's side stream, unordered.
     "overflow_order": (_case("plant_overflow_order", dtype="fp16", zero=NO_PERSISTENCE),
                        "read-after-write", "has_overflow"),

@@ -37,6 +37,11 @@ Families. With AutoEP's experts, every record also belongs to one of three famil
 expert-data-parallel group), `tokens` (the token all-to-all of an expert-parallel group, which DeepSpeed issues)
 and `dense` (everything else). `set_expert_groups` tells the ledger which groups those are.
 
+Host-device copies. With optimizer states on the host, the copies between the device and the host memory are
+a flow of their own (`note_host_copy`): bytes to the host and to the device, apart from the collectives
+(`summary()["host_device"]`). A copy counts in a summary whose record range holds its position (the number of
+records when it was noted).
+
 Quantization scales. A quantized collective sends integer payload and the fp32 scales that decode it. Each
 record holds the share of its bytes that is scales (`summary()["by_flow"][flow]["inter_node_scales"]`):
 AsyncHZP packs both into one byte buffer and says how much is scales (`carrying_scales`); stock ZeRO++ sends
@@ -144,6 +149,7 @@ class CommLedger:
         self.expert_groups: set = set()   # ranks of expert-data-parallel groups (stock expert partitions)
         self.waits: List[tuple] = []   # (start, end, what): the training thread blocked on communication
         self.delays: List[tuple] = []  # (start, end): test-only latency injected around collectives (any thread)
+        self.host_copies: List[tuple] = []  # (position among the records, "to_host" or "to_device", bytes)
         # Process-wide, not per thread: a communication thread's collective counts in the phase the training
         # thread is in when it is issued.
         self.phase = ""
@@ -201,6 +207,12 @@ class CommLedger:
         if threading.current_thread() is threading.main_thread() and end > start:
             with self._lock:
                 self.waits.append((start, end, what))
+
+    def note_host_copy(self, direction: str, nbytes: int) -> None:
+        if direction not in ("to_host", "to_device"):
+            raise ValueError(f"a host copy goes to_host or to_device, not {direction!r}")
+        with self._lock:
+            self.host_copies.append((len(self.records), direction, int(nbytes)))
 
     def note_delay(self, start: float, end: float) -> None:
         """An injected latency: part of communication, so it counts as busy time (and, on the training thread,
@@ -365,7 +377,12 @@ class CommLedger:
         time in collectives (`seconds`) of the records in [mark, until), leaving out those tagged with one of
         `skip_tags` (inspections a caller made in the middle of a measurement)."""
         out = {"intra_node": 0.0, "inter_node": 0.0, "calls": 0, "link_bytes": 0.0, "seconds": 0.0, "by_op": {},
-               "by_family": {}, "by_flow": {}}
+               "by_family": {}, "by_flow": {}, "host_device": {"to_host": 0, "to_device": 0}}
+        with self._lock:
+            copies = list(self.host_copies)
+        for position, direction, nbytes in copies:
+            if position >= mark and (until is None or position < until):
+                out["host_device"][direction] += nbytes
         for record in self.since(mark, until):
             if record.tag in skip_tags:
                 continue
@@ -447,6 +464,12 @@ def summary(mark: int = 0, until: Optional[int] = None, skip_tags: tuple = ()) -
 def note_wait(start: float, end: float, what: str) -> None:
     if _LEDGER is not None:
         _LEDGER.note_wait(start, end, what)
+
+
+def note_host_copy(direction: str, nbytes: int) -> None:
+    """Bytes copied between the device and host memory (optimizer offload), counted apart from collectives."""
+    if _LEDGER is not None:
+        _LEDGER.note_host_copy(direction, nbytes)
 
 
 def note_delay(start: float, end: float) -> None:

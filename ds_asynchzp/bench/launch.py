@@ -347,7 +347,8 @@ def _timeout_message(still_running: list[_Rank], timeout_s: float, target: str) 
 
 # DeepSpeed's JIT-built CPU ops every rank loads: (builder, what the progress line calls it).
 _DEEPSPEED_CPU_OPS = (("ShareMemCommBuilder", "communication op"),
-                      ("FusedAdamBuilder", "Adam (the ds_config optimizer)"))
+                      ("FusedAdamBuilder", "Adam (the ds_config optimizer)"),
+                      ("CPUAdamBuilder", "host Adam (DeepSpeedCPUAdam, with offload_optimizer)"))
 
 
 def prepare_ops() -> None:

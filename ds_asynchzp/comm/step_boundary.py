@@ -35,7 +35,7 @@ and writes the dequantized values into the other rows (the own row stays exact).
 from __future__ import annotations
 
 import bisect
-from typing import Dict, Iterable, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
 
@@ -101,7 +101,7 @@ class _Chunks:
 class StepBoundary:
     def __init__(self, groups: ProcessGroups, configured_bucket: Optional[int], reduce_bucket_size: int, runner,
                  quantization: QuantizationPlan = NO_QUANTIZATION, error_feedback: Optional[ErrorFeedback] = None,
-                 tag_prefix: str = "asynchzp"):
+                 tag_prefix: str = "asynchzp", after_sum: Optional[Callable] = None):
         self.groups = groups
         self.tag_prefix = tag_prefix
         self.configured_bucket = configured_bucket
@@ -111,6 +111,9 @@ class StepBoundary:
         self.quantization = quantization
         # With error feedback: what the quantization dropped from each gradient row sent (saved in checkpoints).
         self.error_feedback = error_feedback
+        # With optimizer offload: `after_sum(index, start, end, members)`, asked on the training thread when a chunk
+        # is submitted, gives what the chunk job runs once its sum is done (the copy to the host), or None.
+        self.after_sum = after_sum
         self.scratch = {}                 # used only inside boundary jobs
         self._grad_chunks: Optional[_Chunks] = None
         self._grad_jobs: Dict[int, object] = {}       # chunk index -> job, this window
@@ -118,6 +121,7 @@ class StepBoundary:
         self._bucket_jobs: List[set] = []             # per chunk: reduce jobs it must wait for
         self._completed: set = set()
         self._refresh: Dict[str, tuple] = {}          # buffer name -> (chunks, jobs) of its latest refresh
+        self._refreshing: Dict[str, list] = {}        # buffer name -> jobs of a refresh not yet wholly submitted
         self._chunk_cache: Dict[int, tuple] = {}      # id(buffer) -> (buffer, its chunks): a buffer's are fixed
 
     def _chunks(self, buffer: ShardedBuffer) -> _Chunks:
@@ -178,11 +182,17 @@ class StepBoundary:
         self._waiting, self._bucket_jobs = [], []
         self._completed.clear()
 
+    def grad_chunks_of(self, ds_id: int) -> List[int]:
+        """The indices of the gradient chunks that hold a parameter's columns (this window's chunking)."""
+        return self._grad_chunks.of_param.get(ds_id, []) if self._grad_chunks is not None else []
+
     def _submit_grad_chunk(self, grads: GradShards, index: int, comm_dtype: torch.dtype) -> None:
         start, end = self._grad_chunks.ranges[index]
         segments = self._grad_chunks.segments[index]
         dependencies = list(self._bucket_jobs[index])
         earlier = grads.reduced_earlier
+        after_sum = (self.after_sum(index, start, end, self._grad_chunks.members[index])
+                     if self.after_sum is not None else None)
 
         def job() -> None:
             for reduction in dependencies:
@@ -193,6 +203,8 @@ class StepBoundary:
                 # The copy is dropped after the step, from another stream: its memory waits for this one.
                 grads.buffer.data[grads.buffer.own_row, start:end].add_(earlier[start:end])
                 streams.keep_alive(earlier)
+            if after_sum is not None:
+                after_sum()
 
         self._grad_jobs[index] = self.runner.submit(job, "cross-node gradient reduction",
                                                     self.groups.grad_boundary.name,
@@ -239,18 +251,35 @@ class StepBoundary:
 
     # ------------------------------------------------------------------------------ parameters
     def start_refresh(self, buffers: Iterable[ShardedBuffer], exact: bool = False) -> None:
-        """Submit the refresh of every chunk of `buffers`, in column order (`exact`: never quantized)."""
+        """Submit the refresh of every chunk of `buffers`, in column order (`exact`: never quantized): the rest of a
+        refresh `refresh_through` began, or a whole new one."""
+        for buffer in buffers:
+            self.refresh_through(buffer, buffer.width, exact)
+            self._refreshing.pop(buffer.name, None)
+
+    def refresh_through(self, buffer: ShardedBuffer, column: int, exact: bool = False) -> None:
+        """Submit the refresh of the chunks of `buffer` that end at or before `column` and are not submitted yet in
+        the refresh under way (begun by the first call after `start_refresh` ended the last one). With optimizer
+        offload the step writes the own row sub-group by sub-group, and each one's refresh starts while the host
+        steps the next; `_post_step`'s `start_refresh` then submits what is left."""
         group = self.groups.param_refresh
         if group.size == 1:
             return
         fmt = None if exact else self.quantization.param_refresh
-        for buffer in buffers:
-            chunks = self._chunks(buffer)
-            after = buffer.host_events()     # the step's (or a load's) write into the own row, among others
-            jobs = [self.runner.submit(self._refresh_job(buffer, start, end, fmt, segments), "parameter refresh",
-                                       group.name, after=after)
-                    for (start, end), segments in zip(chunks.ranges, chunks.segments)]
+        chunks = self._chunks(buffer)
+        jobs = self._refreshing.get(buffer.name)
+        if jobs is None:
+            jobs = self._refreshing[buffer.name] = []
             self._refresh[buffer.name] = (chunks, jobs)
+        after = buffer.host_events()     # the step's (or a load's) write into the own row, among others
+        while len(jobs) < len(chunks.ranges) and chunks.ranges[len(jobs)][1] <= column:
+            (start, end), segments = chunks.ranges[len(jobs)], chunks.segments[len(jobs)]
+            jobs.append(self.runner.submit(self._refresh_job(buffer, start, end, fmt, segments), "parameter refresh",
+                                           group.name, after=after))
+
+    def drop_open_refresh(self) -> None:
+        """A step failed while its refresh was being submitted: the next refresh starts from the first chunk."""
+        self._refreshing.clear()
 
     def _refresh_job(self, buffer: ShardedBuffer, start: int, end: int, fmt, segments: List[int]):
         group, rows, own_row = self.groups.param_refresh, buffer.rows, buffer.own_row
@@ -282,7 +311,8 @@ class StepBoundary:
         for param in params:
             for chunks, submitted in self._refresh.values():
                 for index in chunks.of_param.get(param.ds_id, ()):
-                    jobs[id(submitted[index])] = submitted[index]
+                    if index < len(submitted):   # a refresh still being submitted (inside the step) holds fewer
+                        jobs[id(submitted[index])] = submitted[index]
         return list(jobs.values())
 
     def refresh_params(self, buffers: Iterable[ShardedBuffer], exact: bool = False) -> None:

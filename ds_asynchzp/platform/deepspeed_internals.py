@@ -67,6 +67,12 @@ _REQUIRED_CLASS_MEMBERS = [
     (DeepSpeedZeroOptimizer_Stage3, "_get_norm_groups", "gradient norms read outside step() wait for the window"),
     (DeepSpeedZeroOptimizer_Stage3, "offload_states", "refused: it would move the shard buffers' rows"),
     (DeepSpeedZeroOptimizer_Stage3, "reload_states", "refused with offload_states"),
+    (DeepSpeedZeroOptimizer_Stage3, "reset_cpu_buffers", "optimizer offload: forgets the per-parameter norms"),
+    (DeepSpeedZeroOptimizer_Stage3, "_prepare_sub_group", "optimizer offload: before the host step of a sub-group"),
+    (DeepSpeedZeroOptimizer_Stage3, "_finalize_offload_gradient_accumulation",
+     "optimizer offload: the unmanaged boundary's copy, made once the window is summed"),
+    (DeepSpeedZeroOptimizer_Stage3, "_reassign_or_swap_out_partitioned_parameters",
+     "optimizer offload: a sub-group's host-to-device copy of the stepped parameters"),
 ]
 
 
@@ -173,6 +179,11 @@ _STAGE3_INSTANCE_ATTRIBUTES = [
     ("_is_gradient_accumulation_boundary", "whether the running backward ends the accumulation window"),
     ("micro_step_id", "backwards since the last step: the first copies into the gradient partition, later ones add"),
     ("prefetch_elements", "zero_optimization.stage3_prefetch_bucket_size: whether the coordinator gathers ahead"),
+    ("offload_optimizer", "zero_optimization.offload_optimizer: optimizer states on the host"),
+    ("_offload_boundary_param_ids", "optimizer offload: the parameters reduced since the last step"),
+    ("grad_position", "optimizer offload: where a parameter's gradient sits in its sub-group's host gradient"),
+    ("fp32_partitioned_groups_flat", "optimizer offload: the host master weights, whose .grad receives gradients"),
+    ("_constant_buffered_norm2", "optimizer offload: the per-parameter gradient norm"),
 ]
 
 
@@ -218,7 +229,7 @@ def stage3_prefetches(optimizer) -> bool:
 def rehome_stage3_param_flats(optimizer: DeepSpeedZeroOptimizer_Stage3, sub_group_flats, whole) -> None:
     """Stage 3's per-sub-group flat parameter buffers become `sub_group_flats` (views into our shards), its whole
     flat buffer `whole` (the one own row that holds them all, or None when they live in several shards: only
-    offload, which async_hzp refuses, reads it after construction)."""
+    offload_states, which async_hzp refuses, reads it after construction)."""
     optimizer.lp_param_buffer = whole
     optimizer.fp16_partitioned_groups_flat.clear()
     optimizer.fp16_partitioned_groups_flat.extend(sub_group_flats)
@@ -230,6 +241,24 @@ def rehome_stage3_grad_partitions(optimizer: DeepSpeedZeroOptimizer_Stage3, part
     optimizer.grad_partitions_flat_buffer = whole
     by_id = getattr(optimizer, STAGE3_GRAD_PARTITION_BY_PARAM_ID)
     by_id.update(partition_of_param)
+
+
+def offload_grad_norm(optimizer: DeepSpeedZeroOptimizer_Stage3, param, grad) -> None:
+    """The first half of Stage 3's boundary copy: the norm of one parameter's reduced gradient partition, which
+    the offload path's clipping sums (`complete_grad_norm_calculation_for_cpu_offload`)."""
+    optimizer.norm_for_param_grads[optimizer.get_param_id(param)] = optimizer._constant_buffered_norm2(grad)
+
+
+def offload_host_grad(optimizer: DeepSpeedZeroOptimizer_Stage3, param):
+    """The host optimizer's fp32 gradient elements of one parameter's partition (a view into its sub-group's)."""
+    group, offset, numel = optimizer.grad_position[optimizer.get_param_id(param)]
+    return optimizer.fp32_partitioned_groups_flat[group].grad.narrow(0, offset, numel)
+
+
+def offload_reduced_since_step(optimizer: DeepSpeedZeroOptimizer_Stage3) -> set:
+    """The ids of the parameters reduced since the last step: what Stage 3's unmanaged offload boundary copies
+    (its `partition_grads` records them; the hierarchical one replaces that and records them itself)."""
+    return optimizer._offload_boundary_param_ids
 
 
 def stage3_sub_groups(optimizer: DeepSpeedZeroOptimizer_Stage3):

@@ -54,10 +54,12 @@ from ..state.sharded_buffer import ShardedBuffer
 from ..platform.deepspeed_internals import (STAGE3_AVG_SCATTER_CONTIGUOUS_GRADS, STAGE3_AVG_SCATTER_GRADS,
                                   DeepSpeedZeroOptimizer_Stage3, at_accumulation_boundary, check_stage3_instance,
                                   ds_comm, install_param_hooks, is_available, is_first_micro_step, is_zero_param,
-                                  partition_group_of,
+                                  offload_reduced_since_step, partition_group_of,
                                   rehome_stage3_grad_partitions, rehome_stage3_param_flats, repartition,
                                   restore_param_hooks, stage3_bucket_params, stage3_persistent_parameters,
                                   stage3_prefetches, stage3_side_stream, stage3_sub_groups)
+from .gradient_readers import GradientReaders
+from .host_offload import HostOffload
 from .placement import Family, families_of
 from ..platform.process_groups import ProcessGroups, build_process_groups
 
@@ -82,14 +84,10 @@ class Placement:
         return id(param) in self.family.param_ids
 
 
-class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
+class HierarchicalZeroOptimizer(GradientReaders, DeepSpeedZeroOptimizer_Stage3):
     """Set `hzp_layout` on a subclass (see `optimizer_class_for`); the engine builds it with Stage 3's arguments."""
 
     hzp_layout: ResolvedLayout = None
-    # Set while Stage 3 itself reads or writes its gradient state (the backward epilogue, the step): no wait there.
-    _hzp_in_step = False
-    _hzp_in_epilogue = False
-    hzp_comm = None
 
     def __init__(self, module, init_optimizer, *args, **kwargs):
         layout = self.hzp_layout
@@ -108,8 +106,15 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         self._hzp_warned: set = set()   # the one-time warnings given (a reopened window, zero_grad mid-window)
         self._hzp_updated: set = set()   # parameters edited while gathered, until DeepSpeed re-partitions them
         kwargs["dp_process_group"] = self.hzp_dense.groups.optimizer.handle
+        self.hzp_offload: Optional[HostOffload] = None
         super().__init__(module, init_optimizer, *args, **kwargs)
         check_stage3_instance(self)
+        if self.offload_optimizer and layout.optimizer_shard_size < layout.world_size:
+            self._hzp_warn_once("offload_replicas", (
+                f"offload_optimizer with async_hzp.optimizer_shard_size {layout.optimizer_shard_size} < world "
+                f"{layout.world_size}: each of the {layout.world_size // layout.optimizer_shard_size} optimizer "
+                "replicas holds and steps its states on its own host, so host memory and the host step's time "
+                "per rank are that many times stock's; leave optimizer_shard_size unset (the world) to avoid it"))
         if self.gradient_predivide_factor != 1.0 or not self.postscale_gradients:
             raise RuntimeError("async_hzp averages gradients by dividing before the sum, as ZeRO-3's default does; "
                                "remove gradient_predivide_factor / prescale_gradients from the ds_config")
@@ -128,7 +133,11 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         # asked for, so it runs on the training thread, as with async_comm false.
         self.hzp_comm = CommContext(layout.async_comm, layout.comm_timeout_s, device, ds_comm.get_rank(),
                                     ds_comm.get_world_size(), layout.issue_order,
-                                    flows_waited_at_once(layout.prefetch_depth, stage3_prefetches(self)))
+                                    flows_waited_at_once(layout.prefetch_depth, stage3_prefetches(self)),
+                                    host_copies=bool(self.offload_optimizer))
+        if self.offload_optimizer:
+            self.hzp_offload = HostOffload(self, lambda ds_id: self._hzp_placement_of[ds_id],
+                                           self.hzp_comm.copy_stream)
         self._hzp_param_names = {p.ds_id: name for name, p in module.named_parameters() if is_zero_param(p)}
         for placement in self.hzp_placements:
             self._hzp_build_flows(placement, layout, device)
@@ -174,9 +183,11 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         if plan.error_feedback and placement.grads is not None:
             placement.error_feedback = ErrorFeedback(placement.grads.buffer.rows, placement.grads.buffer.width,
                                                      device)
+        copier = (self.hzp_offload.copier(placement)
+                  if self.hzp_offload is not None and placement.grads is not None else None)
         placement.boundary = StepBoundary(placement.groups, layout.boundary_bucket_size, self.reduce_bucket_size,
                                           self.hzp_comm.boundary, plan, placement.error_feedback,
-                                          placement.family.tag)
+                                          placement.family.tag, after_sum=copier)
         if placement.grads is not None:
             # Gradients are averaged over the whole data-parallel world, experts too (as DeepSpeed does).
             placement.reduce = GradReduce(placement.grads, placement.groups.grad_shard, layout.world_size,
@@ -238,9 +249,10 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         for placement in trainable:
             params = placement.trainable.params
             # With optimizer replicas, the first one alone carries a gradient kept from the last step into the
-            # window (the cross-node sum all-reduces the replicas' own atoms).
+            # window (the cross-node sum all-reduces the replicas' own atoms). The shard lives on the device also
+            # with optimizer offload (where Stage 3 would put its gradient partitions on the host).
             placement.grads = GradShards(placement.family.layout, placement.groups.dp_rank, params,
-                                         self.gradient_accumulation_dtype, self.grad_partitions_flat_buffer.device,
+                                         self.gradient_accumulation_dtype, placement.trainable.data.device,
                                          carries_previous=placement.groups.outer_replica.rank == 0)
             for param in params:
                 views[param.ds_id] = placement.grads.buffer.own_atom(param)
@@ -252,7 +264,9 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         if partition_gradients and self._hzp_external_gradient_read():
             self.hzp_finish_window()
         owners = self._hzp_trainable_placements()
-        if not partition_gradients or len(owners) <= 1:
+        # Stage 3's own check accumulates into a flag on `self.device`, the host under offload, from the gradient
+        # partitions, which are on the device here.
+        if not partition_gradients or (len(owners) <= 1 and self.hzp_offload is None):
             self._hzp_order_overflow_check()
             return super().has_overflow(partition_gradients)
         local = any(not bool(torch.isfinite(p.grads.own).all()) for p in owners)
@@ -277,6 +291,8 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         if placement.grads.window is Window.REDUCED:
             self._hzp_reopen_window(placement)
         job = placement.reduce.reduce_bucket(params_to_reduce, communication_data_type, first=first)
+        if self.hzp_offload is not None:
+            self.hzp_offload.reduced(params_to_reduce, at_accumulation_boundary(self))
         if at_accumulation_boundary(self):
             placement.boundary.grads_complete(placement.grads, params_to_reduce, job, self.communication_data_type)
         return [None] * len(params_to_reduce)
@@ -291,7 +307,9 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         """The bucket was packed for reduction already (`_hzp_reduce_bucket`), on the current stream (Stage 3's
         side stream): each gradient's memory is kept from the allocator until that stream has read it, as stock
         does, then the gradients can go."""
+        reduced = offload_reduced_since_step(self)
         for param in params_to_release:
+            reduced.add(param.ds_id)   # as Stage 3 records them (its unmanaged offload boundary reads them)
             streams.keep_alive(param.grad)
             param.grad = None
         return []
@@ -358,6 +376,10 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
             placement.reduce.drain()
         for placement in self._hzp_trainable_placements():
             placement.boundary.wait_grads()
+        if self.hzp_offload is not None:
+            self.hzp_offload.finish_window()
+            for placement in self._hzp_trainable_placements():
+                placement.grads.buffer.note_host_access()   # the next window's jobs write after these reads
 
     def _hzp_end_window(self) -> None:
         """After the step, or a zero_grad(): the own rows stay (they are Stage 3's gradient partitions)."""
@@ -370,6 +392,29 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         super().finalize_gradient_accumulation_boundary()
         self.hzp_finish_window()
 
+    def _finalize_offload_gradient_accumulation(self):
+        # Stage 3 copies the partitions to the host here, before the window's cross-node sum; they are copied once
+        # it is summed (`hzp_finish_window`).
+        self.hzp_offload.unmanaged_boundary()
+
+    def _prepare_sub_group(self, sub_group_id, timer_names):
+        if self.hzp_offload is not None:
+            self.hzp_offload.host_wait()   # DeepSpeedCPUAdam reads the host gradients: their copies have ended
+        return super()._prepare_sub_group(sub_group_id, timer_names)
+
+    def _reassign_or_swap_out_partitioned_parameters(self, sub_group_id):
+        super()._reassign_or_swap_out_partitioned_parameters(sub_group_id)
+        if self.hzp_offload is not None:
+            # The host-to-device copy of the stepped sub-group into its columns of the own row: their refresh
+            # starts now, while the host steps the next sub-group (the padding zeroed first, as after a step).
+            flat = self.fp16_partitioned_groups_flat[sub_group_id]
+            self.hzp_offload.stepped_to_device(flat.numel() * flat.element_size())
+            first = stage3_sub_groups(self)[sub_group_id][0]
+            placement = self._hzp_placement_of[first.ds_id]
+            start = placement.trainable.columns[first.ds_id].offset
+            placement.shards.zero_padding_in(placement.trainable, start, start + flat.numel())
+            placement.boundary.refresh_through(placement.trainable, start + flat.numel())
+
     def _hzp_reopen_window(self, placement: Placement) -> None:
         """A gradient arrives after its window was summed across nodes (another backward after the window's last
         one, or after a reader waited for the sum): stock ZeRO-3 adds it to its partitions, so the window is
@@ -377,6 +422,11 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         reopens here, at the same bucket."""
         placement.reduce.drain()
         placement.boundary.end_window()
+        if self.hzp_offload is not None:
+            # Stock copied (and took the norms of) what its boundary backward reached, with the values then; a
+            # later backward copies again only if it is a boundary one too. The copies read the own row that
+            # reopening moves aside and zeroes.
+            self.hzp_offload.finish_window()
         placement.grads.reopen()
         self._hzp_warn_once(
             "reopened",
@@ -423,15 +473,23 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         self._hzp_in_step = True
         try:
             return super().step(closure)
+        except BaseException:
+            for placement in self.hzp_placements:
+                placement.boundary.drop_open_refresh()   # a refresh begun by the failed step is not resumed
+            raise
         finally:
             self._hzp_in_step = False
             self._hzp_end_window()
 
     def _post_step(self, timer_names):
         # Stock Stage 3 re-gathers persistent parameters over the partition group and drops hpZ secondaries
-        # here; instead the parameter shards are refreshed from the updated atoms, in the background.
+        # here; instead the parameter shards are refreshed from the updated atoms, in the background. With
+        # offload it also forgets the window's per-parameter gradient norms, as here.
+        if self.hzp_offload is not None:
+            self.reset_cpu_buffers()
         for placement in self._hzp_trainable_placements():
-            placement.shards.zero_padding()
+            if self.hzp_offload is None:   # with offload each sub-group's was zeroed, and its refresh began
+                placement.shards.zero_padding()
             placement.boundary.start_refresh([placement.trainable])
         self.hzp_partition_watch.record()
         self._hzp_regather_persistent(gather_missing=True)
@@ -448,63 +506,6 @@ class HierarchicalZeroOptimizer(DeepSpeedZeroOptimizer_Stage3):
         missing = [p for p in persistent if not is_available(p)]
         if missing and gather_missing:
             self.hzp_gather.all_gather_coalesced(missing, flow="persistent_regather").wait()
-
-    # ----------------------------------------------- readers and writers of gradients after backward
-    # Every Stage 3 reader of the gradient partitions or their norms waits for the window's cross-node sum (and
-    # starts it, collectively, if a backward left it open), as the public getters below do; Stage 3 itself reads
-    # them only inside step() and writes them in the backward epilogue, where no wait is needed.
-    # docs/ARCHITECTURE.md lists them.
-    def _hzp_external_gradient_read(self) -> bool:
-        return self.hzp_comm is not None and not self._hzp_in_step and not self._hzp_in_epilogue
-
-    @property
-    def averaged_gradients(self):
-        if self._hzp_external_gradient_read():
-            self.hzp_finish_window()
-        return self.__dict__["_hzp_averaged_gradients"]
-
-    @averaged_gradients.setter
-    def averaged_gradients(self, value):
-        self.__dict__["_hzp_averaged_gradients"] = value
-
-    def independent_gradient_partition_epilogue(self):
-        self._hzp_in_epilogue = True
-        try:
-            return super().independent_gradient_partition_epilogue()
-        finally:
-            self._hzp_in_epilogue = False
-
-    def _get_norm_groups(self):
-        if self._hzp_external_gradient_read():
-            return self._hzp_gradient_access(super()._get_norm_groups)
-        return super()._get_norm_groups()
-
-    def _hzp_gradient_access(self, call, *args):
-        """DeepSpeed reads or writes the own gradient atoms (on the current stream): the window must be summed
-        first, and the next window's jobs must come after this access."""
-        self.hzp_finish_window()
-        result = call(*args)
-        for placement in self._hzp_trainable_placements():
-            placement.grads.buffer.note_host_access()
-        return result
-
-    def get_fp32_grad_for_param(self, param):
-        return self._hzp_gradient_access(super().get_fp32_grad_for_param, param)
-
-    def set_fp32_grad_for_param(self, value, param):
-        return self._hzp_gradient_access(super().set_fp32_grad_for_param, value, param)
-
-    def get_local_fp32_grad_for_param(self, param):
-        return self._hzp_gradient_access(super().get_local_fp32_grad_for_param, param)
-
-    def set_local_grad_for_param(self, value, param):
-        return self._hzp_gradient_access(super().set_local_grad_for_param, value, param)
-
-    def get_fp32_grad_partitions(self):
-        return self._hzp_gradient_access(super().get_fp32_grad_partitions)
-
-    def update_fp32_grad_for_param_vectorized(self, update_func, param_list):
-        return self._hzp_gradient_access(super().update_fp32_grad_for_param_vectorized, update_func, param_list)
 
     def offload_states(self, *args, **kwargs):
         raise NotImplementedError(

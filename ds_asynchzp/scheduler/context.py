@@ -5,7 +5,8 @@ Three communication threads, one per flow of a step, so that one flow never wait
 * `gather`: the per-micro-step parameter all-gathers (d_p group), run ahead of compute by the prefetch;
 * `reduce`: the per-micro-step gradient reduce-scatters (d_g group), one job per gradient bucket as it fills;
 * `boundary`: the once-per-step cross-node work (gradient sum into the owners, optimizer-replica all-reduce,
-  parameter refresh), overlapped with the last backward and the next forward.
+  parameter refresh), overlapped with the last backward and the next forward; with optimizer offload its jobs also
+  copy each summed chunk to the host, on a second stream (`copy_stream`).
 
 Each issues only on its own process groups (`platform.process_groups.OWNER`). On a device with streams each
 has its own stream, at high priority, so its collectives and copies run beside compute; events order them (see
@@ -47,7 +48,7 @@ def flows_waited_at_once(prefetch_depth: int, coordinator_prefetches: bool) -> t
 
 class CommContext:
     def __init__(self, async_comm: bool, timeout_s: float, device, rank: int, world: int, issue_order: str = "auto",
-                 inline_flows: tuple = ()):
+                 inline_flows: tuple = (), host_copies: bool = False):
         self.async_comm = async_comm
         self.runners = {}
         total = issue_order == "total" or (issue_order == "auto" and streams.has_streams())
@@ -66,6 +67,9 @@ class CommContext:
                 self.runners[flow] = CommThread(flow, timeout_s, self.order, stream, diagnose=self.monitor.explain)
             else:
                 self.runners[flow] = InlineRunner(flow, timeout_s, self.order, stream, diagnose=self.monitor.explain)
+        # With optimizer offload, the boundary's copies to the host run on a stream of their own, so that a chunk's
+        # copy overlaps the next chunk's exchange on the boundary stream.
+        self.copy_stream = streams.new_stream(device) if host_copies else None
         self.order.guard_backend()
         self.monitor.start()
         _LIVE.add(self)
@@ -93,6 +97,7 @@ class CommContext:
             runner.stop()
         for runner in self.runners.values():
             streams.synchronize(runner.stream)
+        streams.synchronize(self.copy_stream)
         self.order.release_backend()
         self.monitor.close()
         _LIVE.discard(self)

@@ -23,7 +23,8 @@ class ParamShards:
         self.rows = layout.param_rows
         self.own_row = layout.param_row_of_own_atom(dp_rank)
         self.own_atom_index = layout.own_atom(dp_rank)       # q: which atom of every parameter this rank owns
-        self._padding: List[torch.Tensor] = []                # views of the own row past each parameter's end
+        # (buffer, column, view): views of the own row past each parameter's end, at that parameter's column
+        self._padding: List[tuple] = []
         self.shard_index = dp_rank % layout.param_shard_size   # j: this rank's index in its shard group
         self.buffers: List[ShardedBuffer] = []
         self._buffer_of: Dict[int, ShardedBuffer] = {}
@@ -35,7 +36,7 @@ class ParamShards:
             c = buffer.columns[param.ds_id]
             valid = max(0, min(c.atom, param.ds_numel - self.own_atom_index * c.atom))
             if valid < c.atom:
-                self._padding.append(buffer.own.narrow(0, c.offset + valid, c.atom - valid))
+                self._padding.append((buffer, c.offset, buffer.own.narrow(0, c.offset + valid, c.atom - valid)))
         self.zero_padding()
         return buffer
 
@@ -46,10 +47,18 @@ class ParamShards:
         there. Unquantized gathers drop it, but a quantized one would let it into a block's absmax (a NaN
         there poisons the whole block), and its bytes would differ between runs. Every rank zeroes its own
         atoms, so every row of every shard, refreshed from its owner, holds zeros there."""
-        for view in self._padding:
+        for _, _, view in self._padding:
             view.zero_()
         for buffer in self.buffers:
             buffer.note_host_access()
+
+    def zero_padding_in(self, buffer: ShardedBuffer, start: int, end: int) -> None:
+        """`zero_padding` for the parameters of `buffer` whose columns begin in [start, end) only: what the step
+        just wrote, while the refresh of other columns may still read them (optimizer offload)."""
+        for owner, column, view in self._padding:
+            if owner is buffer and start <= column < end:
+                view.zero_()
+        buffer.note_host_access()
 
     def adopt_trainable(self, params_in_flat_order: Sequence[torch.nn.Parameter]) -> ShardedBuffer:
         """Take over Stage 3's partitions of these parameters: their contents become the own row of a new shard
