@@ -48,7 +48,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .accounting import sizing
-from .config_compat import autoep_size, compat_issues, expert_issues
+from .config_compat import autoep_size, compat_issues, expert_issues, offloads_optimizer
 from .errors import AsyncHZPConfigError, ConfigIssue
 from .layout import HierarchicalLayout
 from .quantization import QuantizationPlan, plan_quantization
@@ -579,13 +579,16 @@ def resolve_layout(
                 f"sizes, e.g. {SECTION}.param_shard_size to one of {_fmt(sizing.divisors(node))}.")
         budget = None if section.memory_budget_gb is None else section.memory_budget_gb * sizing.BYTES_PER_GB
         b = _param_bytes(ds_config)
+        # Offloaded optimizer states leave the device: the budget then bounds device bytes only. The flag is
+        # named only when set, as choose_layout's default is no offload.
+        offload = {"offload_optimizer": True} if offloads_optimizer(ds_config) else {}
         *chosen, reason = sizing.choose_layout(
             num_parameters, world, node, budget, param_bytes=b,
             grad_accum_bytes=_dtype_bytes(ds_config, "data_types.grad_accum_dtype", b),
             grad_comm_bytes=_dtype_bytes(ds_config, "communication_data_type", b),
             grad_accum_steps=_grad_accum_steps(ds_config, world),
             intra_bw_bytes_s=section.intra_node_bandwidth_gbps * 1e9 / 8,
-            inter_bw_bytes_s=section.inter_node_bandwidth_gbps * 1e9 / 8, fixed=fixed)
+            inter_bw_bytes_s=section.inter_node_bandwidth_gbps * 1e9 / 8, fixed=fixed, **offload)
         d_p, d_g, d_o = chosen
     else:
         d_p, d_g, d_o = (fixed[k] for k in sizing.SIZE_KEYS)

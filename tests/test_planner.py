@@ -446,6 +446,28 @@ def test_check_passes_on_formula_bytes_and_fails_ten_percent_off(tmp_path, capsy
     assert _check(tmp_path, near, capsys)[0] == 0
 
 
+def test_check_knows_the_offload_arms(tmp_path, capsys):
+    """zero3-offload moves zero3's network bytes and asynchzp-offload asynchzp's (offload changes no collective):
+    both are checked against those formulas, each with its own layout, and a 10 % error is caught."""
+    elements = {"gathered": 123_456, "reduced": 100_000, "trainable": 101_000}
+    results = _synthetic_results(elements, with_elements=True)
+    t = _inputs(elements)
+    results["arms"]["zero3-offload"] = copy.deepcopy(results["arms"]["zero3"])
+    results["arms"]["asynchzp-offload:param_shard_size=2"] = {
+        "bytes_per_step": {k: v for k, v in traffic.asynchzp_bytes(t, 2, 4).items() if k != "by_flow"},
+        "layout": {"param_shard_size": 2, "grad_shard_size": 4, "optimizer_shard_size": 8}}
+    code, out = _check(tmp_path, results, capsys)
+    assert code == 0, out
+    report = planner.check_results(results)
+    assert not any("offload" in note for note in report["notes"])
+    assert {"zero3-offload", "asynchzp-offload:param_shard_size=2"} <= {r["arm"] for r in report["rows"]}
+    assert report["asynchzp_layouts"]["asynchzp-offload:param_shard_size=2"] == {"d_p": 2, "d_g": 4, "d_o": 8}
+    for arm in ("zero3-offload", "asynchzp-offload:param_shard_size=2"):
+        off = copy.deepcopy(results)
+        off["arms"][arm]["bytes_per_step"]["inter_node"] *= 1.10
+        assert not planner.check_results(off)["ok"]
+
+
 def test_check_reads_each_asynchzp_arm_layout():
     results = _synthetic_results({"gathered": 1000, "reduced": 800, "trainable": 900}, with_elements=True)
     # Recorded layout first; then the arm's integer overrides; then d_p = d_g = node size, d_o = world.

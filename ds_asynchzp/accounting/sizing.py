@@ -24,6 +24,21 @@ so it is a safe (slightly pessimistic) input when ``d_o`` is not known yet, as f
 The ``"auto"`` rule (:func:`choose_layout`) keeps the layouts whose model states fit the budget and takes the
 one with the least estimated communication time per optimizer step, using the traffic formulas of
 :mod:`ds_asynchzp.accounting.traffic`; the reason string it returns names the numbers behind the choice.
+
+**Optimizer offload** (``zero_optimization.offload_optimizer.device: "cpu"``, :func:`placement_bytes_per_rank`,
+:func:`stock_placement_bytes_per_rank`). The host-side optimizer (DeepSpeedCPUAdam) reads fp32 gradients, so the
+host holds them besides the fp32 master and the moments:
+
+* AsyncHZP: device ``b·Ψ/d_p + a·Ψ_t/d_g`` (the gradient shard stays on the device, where its reductions run);
+  host ``(12 + 4)·Ψ_t/d_o``. With ``d_o < N`` every one of the ``N/d_o`` optimizer replicas keeps and steps its
+  own host copy, so a node's host holds ``G·16·Ψ_t/d_o``.
+* Stock ZeRO-3: device ``b·Ψ/N`` only; its gradient partition (``grad_partitions_flat_buffer``, ``a·Ψ_t/N``)
+  lives pinned on the host, next to ``(12 + 4)·Ψ_t/N``. ZeRO++ hpZ adds its secondary partition ``b·Ψ/G`` on
+  the device.
+
+With offload the budget of ``"auto"`` bounds the *device* bytes; host bytes are reported, and the host↔device
+copies (the ``host_device`` flow of :mod:`ds_asynchzp.accounting.traffic`) join the estimated time at
+:data:`HOST_DEVICE_BW_BYTES_S`.
 """
 
 from __future__ import annotations
@@ -48,6 +63,11 @@ DEFAULT_BUDGET_FRACTION = 0.5
 
 #: Names of the three sizes, as JSON keys of the ``async_hzp`` section, in (d_p, d_g, d_o) order.
 SIZE_KEYS = ("param_shard_size", "grad_shard_size", "optimizer_shard_size")
+
+#: Host↔device copy rate per rank that ``"auto"`` and ``asynchzp-plan`` assume under optimizer offload: what
+#: pinned copies reach on PCIe 4.0 x16. The copies to the host come before the optimizer step and those back
+#: after it, so the two directions do not overlap and one rate covers both.
+HOST_DEVICE_BW_BYTES_S = 25e9
 
 
 def divisors(n: int) -> list[int]:
@@ -118,6 +138,52 @@ def model_state_bytes_per_rank(
     return parts
 
 
+def _with_total(parts: dict[str, int]) -> dict[str, int]:
+    return {**parts, "total": sum(parts.values())}
+
+
+def placement_bytes_per_rank(num_params: int, world: int, d_p: int, d_g: int, d_o: int, *, offload_optimizer: bool,
+                             **sizes) -> dict[str, dict[str, int]]:
+    """Where an AsyncHZP rank's model states live: ``{"device": parts, "host": parts}``, each with a ``total``.
+
+    Without offload everything is on the device (:func:`model_state_bytes_per_rank`; the host part is empty).
+    With ``offload_optimizer`` the device keeps ``param_shard`` and ``grad_shard`` (the gradient reductions run
+    there) and the host holds ``master``, ``optimizer_state`` and ``fp32_grad`` (``4·Ψ_t/d_o``: the ``.grad``
+    of DeepSpeed's fp32 flat partitions, the own atom's gradients that the host optimizer reads). ``sizes``: the
+    element sizes and ``num_trainable`` of :func:`model_state_bytes_per_rank`."""
+    parts = model_state_bytes_per_rank(num_params, world, d_p, d_g, d_o, **sizes)
+    del parts["total"]
+    if not offload_optimizer:
+        return {"device": _with_total(parts), "host": _with_total({})}
+    trainable = num_params if sizes.get("num_trainable") is None else sizes["num_trainable"]
+    host = {k: parts.pop(k) for k in ("master", "optimizer_state")}
+    host["fp32_grad"] = _ceil_div(traffic.HOST_GRAD_BYTES * int(trainable), d_o)
+    return {"device": _with_total(parts), "host": _with_total(host)}
+
+
+def stock_placement_bytes_per_rank(num_params: int, world: int, *, offload_optimizer: bool,
+                                   secondary_size: int | None = None, **sizes) -> dict[str, dict[str, int]]:
+    """Where a rank of stock ZeRO-3 keeps its model states, ``{"device": parts, "host": parts}``.
+
+    Stock ZeRO-3 is the layout ``d_p = d_g = d_o = world``; ``secondary_size`` (ZeRO++ hpZ's
+    ``zero_hpz_partition_size``, the node) adds ``param_secondary``, ``b·Ψ/secondary_size``, on the device
+    (DeepSpeed keeps it unquantized, also under qwZ). With ``offload_optimizer`` only the parameter partitions
+    stay on the device: DeepSpeed 0.19.8 allocates the gradient partition buffer pinned on the host
+    (``grad_shard``), beside ``master``, ``optimizer_state`` and ``fp32_grad``. ``sizes`` as for
+    :func:`placement_bytes_per_rank`."""
+    placed = placement_bytes_per_rank(num_params, world, world, world, world, offload_optimizer=offload_optimizer,
+                                      **sizes)
+    device = {k: v for k, v in placed["device"].items() if k != "total"}
+    host = {k: v for k, v in placed["host"].items() if k != "total"}
+    if offload_optimizer:
+        host = {"grad_shard": device.pop("grad_shard"), **host}
+    if secondary_size is not None:
+        if secondary_size < 1:
+            raise ValueError(f"secondary_size must be >= 1, got {secondary_size}")
+        device["param_secondary"] = _ceil_div(sizes.get("param_bytes", 2) * int(num_params), secondary_size)
+    return {"device": _with_total(device), "host": _with_total(host)}
+
+
 def default_budget_bytes(node_size: int) -> int:
     """Default per-rank budget for model states when ``memory_budget_gb`` is unset.
 
@@ -173,14 +239,24 @@ def valid_layouts(world: int, node_size: int) -> list[tuple[int, int, int]]:
 
 def comm_seconds_per_step(num_params: int, world: int, node_size: int, d_p: int, d_g: int, d_o: int, *,
                           param_bytes: int, grad_comm_bytes: int, grad_accum_steps: int,
-                          intra_bw_bytes_s: float, inter_bw_bytes_s: float) -> tuple[float, dict]:
+                          intra_bw_bytes_s: float, inter_bw_bytes_s: float, offload_optimizer: bool = False,
+                          host_device_bw_bytes_s: float = HOST_DEVICE_BW_BYTES_S) -> tuple[float, dict]:
     """Estimated communication seconds per optimizer step of one layout, and its ``{"intra_node",
-    "inter_node"}`` bytes: every element gathered, reduced and trained (P_g = P_r = P_t = Ψ), no overlap."""
+    "inter_node"}`` bytes: every element gathered, reduced and trained (P_g = P_r = P_t = Ψ), no overlap.
+
+    With ``offload_optimizer`` the bytes add ``host_device`` (:func:`traffic.asynchzp_host_device_bytes`, both
+    directions) and the seconds its copy time at ``host_device_bw_bytes_s``; the network flows are the same."""
     t = traffic.TrafficInputs(world=world, node_size=node_size, grad_accum=grad_accum_steps,
                               gathered_elements=num_params, reduced_elements=num_params,
                               trainable_elements=num_params, param_bytes=param_bytes, grad_comm_bytes=grad_comm_bytes)
     moved = traffic.asynchzp_bytes(t, d_p, d_g, d_o)
-    return moved["intra_node"] / intra_bw_bytes_s + moved["inter_node"] / inter_bw_bytes_s, moved
+    seconds = moved["intra_node"] / intra_bw_bytes_s + moved["inter_node"] / inter_bw_bytes_s
+    if offload_optimizer:
+        if host_device_bw_bytes_s <= 0:
+            raise ValueError("host_device_bw_bytes_s must be > 0")
+        moved[traffic.HOST_DEVICE] = traffic.asynchzp_host_device_bytes(t, d_o)["total"]
+        seconds += moved[traffic.HOST_DEVICE] / host_device_bw_bytes_s
+    return seconds, moved
 
 
 def _gib(n: float) -> str:
@@ -201,20 +277,23 @@ def _name(layout: tuple[int, int, int]) -> str:
 
 
 def smallest_memory_layout(num_params: int, world: int, node_size: int, *, param_bytes: int = 2,
-                           grad_accum_bytes: int = 2, fixed: dict | None = None) -> tuple[int, int, int, int]:
-    """``(d_p, d_g, d_o, bytes)`` of the valid layout agreeing with ``fixed`` whose model states are smallest
-    (ties: the smaller sizes); what "auto" would need at least. ValueError if ``fixed`` allows none."""
+                           grad_accum_bytes: int = 2, fixed: dict | None = None,
+                           offload_optimizer: bool = False) -> tuple[int, int, int, int]:
+    """``(d_p, d_g, d_o, bytes)`` of the valid layout agreeing with ``fixed`` whose device bytes
+    (:func:`placement_bytes_per_rank`; all model states without offload) are smallest (ties: the smaller host
+    bytes, then the smaller sizes); what "auto" would need at least. ValueError if ``fixed`` allows none."""
     fixed = {k: v for k, v in (fixed or {}).items() if v is not None}
     best = None
     for lay in valid_layouts(world, node_size):
         if all(fixed.get(k, v) == v for k, v in zip(SIZE_KEYS, lay)):
-            mem = model_state_bytes_per_rank(num_params, world, *lay, param_bytes=param_bytes,
-                                             grad_accum_bytes=grad_accum_bytes)["total"]
-            if best is None or (mem, lay) < (best[3], best[:3]):
-                best = (*lay, mem)
+            placed = placement_bytes_per_rank(num_params, world, *lay, offload_optimizer=offload_optimizer,
+                                              param_bytes=param_bytes, grad_accum_bytes=grad_accum_bytes)
+            key = (placed["device"]["total"], placed["host"]["total"], lay)
+            if best is None or key < best:
+                best = key
     if best is None:
         raise ValueError(f"no valid layout of world {world} in nodes of {node_size} agrees with {fixed}")
-    return best
+    return (*best[2], best[0])
 
 
 def choose_layout(
@@ -230,6 +309,7 @@ def choose_layout(
     intra_bw_bytes_s: float = 100e9,
     inter_bw_bytes_s: float = 25e9,
     fixed: dict | None = None,
+    offload_optimizer: bool = False,
 ) -> tuple[int, int, int, str]:
     """The ``"auto"`` rule: returns ``(d_p, d_g, d_o, reason)``.
 
@@ -240,6 +320,12 @@ def choose_layout(
     ``inter_bw_bytes_s``); ties go to the smaller memory, then to the smaller sizes. ``budget_bytes=None``
     uses :func:`default_budget_bytes`. ``reason`` says, in one or two sentences, how many candidates were
     considered, the winner's memory against the budget and its seconds against the runner-up's.
+
+    With ``offload_optimizer`` (``offload_optimizer.device: "cpu"``) the budget bounds the device bytes of
+    :func:`placement_bytes_per_rank` (parameter and gradient shards), which lets a node-local ``d_g`` fit models
+    that need ``d_g`` across nodes otherwise; the seconds add the host↔device copies at
+    :data:`HOST_DEVICE_BW_BYTES_S` (they shrink as ``d_o`` grows), and ties go to the smaller device bytes,
+    then the smaller host bytes. The reason then says that offload was counted, and gives the host bytes.
 
     If no candidate fits, raises AsyncHZPConfigError naming ``async_hzp.memory_budget_gb`` with the bytes the
     smallest-memory candidate needs: silently picking a layout that will run out of memory only moves the
@@ -273,20 +359,23 @@ def choose_layout(
     if budget_bytes is None:
         budget_bytes = default_budget_bytes(node_size)
 
-    def memory(lay: tuple[int, int, int]) -> int:
-        return model_state_bytes_per_rank(num_params, world, *lay, param_bytes=param_bytes,
-                                          grad_accum_bytes=grad_accum_bytes)["total"]
+    def placed(lay: tuple[int, int, int]) -> dict:
+        return placement_bytes_per_rank(num_params, world, *lay, offload_optimizer=offload_optimizer,
+                                        param_bytes=param_bytes, grad_accum_bytes=grad_accum_bytes)
 
-    fitting = [(lay, memory(lay)) for lay in candidates]
-    fitting = [(lay, mem) for lay, mem in fitting if mem <= budget_bytes]
+    # (layout, device bytes, host bytes); without offload the host holds no model state and the device all.
+    fitting = [(lay, p["device"]["total"], p["host"]["total"]) for lay, p in ((lay, placed(lay)) for lay in candidates)]
+    fitting = [entry for entry in fitting if entry[1] <= budget_bytes]
+    what = "device bytes of model states (optimizer offloaded to the host)" if offload_optimizer else "model states"
     if not fitting:
         *lay, needed = smallest_memory_layout(num_params, world, node_size, param_bytes=param_bytes,
-                                              grad_accum_bytes=grad_accum_bytes, fixed=fixed)
+                                              grad_accum_bytes=grad_accum_bytes, fixed=fixed,
+                                              offload_optimizer=offload_optimizer)
         lay = tuple(lay)
         needed_gb = math.ceil(needed / BYTES_PER_GB * 100) / 100  # rounded up, so the suggestion really fits
         raise AsyncHZPConfigError(
             "async_hzp.memory_budget_gb",
-            f"model states need {needed} bytes ({needed / BYTES_PER_GB:.2f} GiB) per rank even with the "
+            f"{what} need {needed} bytes ({needed / BYTES_PER_GB:.2f} GiB) per rank even with the "
             f"smallest-memory layout ({_name(lay)}, of {len(candidates)} considered), but the budget is "
             f"{int(budget_bytes)} bytes ({budget_bytes / BYTES_PER_GB:.2f} GiB).",
             f"raise async_hzp.memory_budget_gb to at least {needed_gb:.2f}, use more ranks"
@@ -296,22 +385,46 @@ def choose_layout(
     def seconds(lay: tuple[int, int, int]) -> float:
         return comm_seconds_per_step(num_params, world, node_size, *lay, param_bytes=param_bytes,
                                      grad_comm_bytes=grad_comm_bytes, grad_accum_steps=grad_accum_steps,
-                                     intra_bw_bytes_s=intra_bw_bytes_s, inter_bw_bytes_s=inter_bw_bytes_s)[0]
+                                     intra_bw_bytes_s=intra_bw_bytes_s, inter_bw_bytes_s=inter_bw_bytes_s,
+                                     offload_optimizer=offload_optimizer)[0]
 
     # Seconds compared to 9 significant digits: layouts with the same cost on paper must tie (then less memory
     # wins), whatever the float rounding of their sums.
-    ranked = sorted((float(f"{seconds(lay):.9g}"), mem, lay) for lay, mem in fitting)
-    best_s, best_mem, best = ranked[0]
-    second_s, second_mem, second = ranked[1] if len(ranked) > 1 else (best_s, None, None)
+    ranked = sorted((float(f"{seconds(lay):.9g}"), dev, host, lay) for lay, dev, host in fitting)
+    best_s, best_dev, best_host, best = ranked[0]
+    second_s, second_dev, second_host, second = ranked[1] if len(ranked) > 1 else (best_s, None, None, None)
     best_text, second_text = _distinct(best_s, second_s)
-    reason = (f"auto chose {_name(best)} of {len(candidates)} valid layouts ({len(fitting)} fit the budget): "
-              f"model states {_gib(best_mem)} per rank (budget {_gib(budget_bytes)}); estimated communication "
-              f"{best_text} s per optimizer step")
+    if not offload_optimizer:
+        reason = (f"auto chose {_name(best)} of {len(candidates)} valid layouts ({len(fitting)} fit the budget): "
+                  f"model states {_gib(best_dev)} per rank (budget {_gib(budget_bytes)}); estimated communication "
+                  f"{best_text} s per optimizer step")
+        runner_up_memory = f"{_gib(second_dev)}" if second is not None else ""
+        runner_up_copies = ""
+    else:
+        def copies(lay: tuple[int, int, int]) -> float:
+            return comm_seconds_per_step(num_params, world, node_size, *lay, param_bytes=param_bytes,
+                                         grad_comm_bytes=grad_comm_bytes, grad_accum_steps=grad_accum_steps,
+                                         intra_bw_bytes_s=intra_bw_bytes_s, inter_bw_bytes_s=inter_bw_bytes_s,
+                                         offload_optimizer=True)[1][traffic.HOST_DEVICE]
+
+        reason = (f"auto chose {_name(best)} of {len(candidates)} valid layouts with optimizer offload taken into "
+                  f"account (master weights, moments and fp32 gradients on the host, so the budget bounds the "
+                  f"device bytes; {len(fitting)} fit): device {_gib(best_dev)} per rank (budget "
+                  f"{_gib(budget_bytes)}), host {_gib(best_host)} per rank ({_gib(best_host * node_size)} per node "
+                  f"of {node_size}); estimated communication {best_text} s per optimizer step "
+                  f"({copies(best) / HOST_DEVICE_BW_BYTES_S:.3g} s of it host<->device copies, "
+                  f"{copies(best) / 1e9:.3g} GB at {HOST_DEVICE_BW_BYTES_S / 1e9:g} GB/s)")
+        runner_up_memory = (f"{_gib(second_dev)} on the device and {_gib(second_host)} on the host"
+                            if second is not None else "")
+        runner_up_copies = (f" (host<->device {copies(second) / 1e9:.3g} GB)" if second is not None else "")
     if second is None:
         reason += "; no other layout fits."
     elif second_s == best_s:
-        reason += f", the same as the runner-up {_name(second)}, which needs {_gib(second_mem)} per rank."
+        reason += f", the same as the runner-up {_name(second)}, which needs {runner_up_memory} per rank."
     else:
-        reason += f" vs {second_text} s for the runner-up {_name(second)}."
+        reason += f" vs {second_text} s for the runner-up {_name(second)}{runner_up_copies}."
+    if offload_optimizer and best[2] < world:
+        reason += (f" With d_o={best[2]} < {world} ranks, each of the {world // best[2]} optimizer replicas keeps "
+                   "and steps its own host copy.")
     logger.debug(reason)
     return (*best, reason)

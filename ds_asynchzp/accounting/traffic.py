@@ -36,6 +36,29 @@ groups of a kind span nodes or none do, except optimizer groups not aligned with
 exact share of ranks). Each arm also all-reduces a few scalars per step (gradient norm, overflow flag); they
 are below 0.01 % of any figure here and left out.
 
+Optimizer offload (``zero_optimization.offload_optimizer.device: "cpu"``) adds one flow of its own,
+``host_device`` (:data:`HOST_DEVICE`): bytes a rank copies between its device and its host per optimizer step,
+over PCIe rather than any network link, so they are neither intra- nor inter-node and are reported apart, as
+``{"to_host", "to_device", "total"}`` (`host_device_bytes`; the ledger's ``summary()["host_device"]`` measures
+the same two directions). With ``a`` the bytes of a gradient
+accumulation element and 4 those of the fp32 gradient the host optimizer reads:
+
+    stock ZeRO-3, hpZ, ZeRO++   D2H  A * a * P_r/N  +  4 * P_r/N       H2D  A * a * P_r/N  +  b * P_t/N
+    AsyncHZP                    D2H  4 * P_r/d_o                       H2D  b * P_t/d_o
+
+Stock DeepSpeed 0.19.8 keeps its gradient partitions on the host: every micro-step each reduced partition goes
+to the host and back (the first micro-step copies it out and returns it to the device; later ones bring the
+host buffer over, add, and copy the sum back); at the boundary its fp32 conversion of the reduced partitions
+goes to the host, and after the step the updated parameters of every trainable partition come back in the
+parameter dtype (the blocking copy converts on the host). AsyncHZP keeps its gradient shard on the device and
+sends only its own atoms' fp32 gradients of the parameters that were reduced, once per step, then takes back
+the updated parameters of all its trainable atoms: independent of ``A``. In both, a trainable parameter that
+receives no gradient (P_t - P_r) has no gradient to copy out (the host keeps the fp32 gradient of the last
+time it was copied) but is stepped and copied back like the others.
+
+An arm ``BASE-offload`` (:func:`offload_twin`) is ``BASE`` with offload: offload leaves every network flow
+unchanged, so its network formulas are ``BASE``'s, and its ``host_device`` flow is ``BASE``'s under offload.
+
 Pure arithmetic: nothing here imports torch, DeepSpeed or the runtime (the groups come from `ds_asynchzp.layout`).
 """
 
@@ -65,6 +88,24 @@ class TrafficInputs:
 #: The AsyncHZP flows, in the order of a step.
 FLOWS = ("param_gather", "grad_reduce_scatter", "boundary_grad", "boundary_allreduce", "param_refresh",
          "persistent_regather")
+#: The host<->device flow of optimizer offload (module docstring); not a network flow, so not in `FLOWS`.
+HOST_DEVICE = "host_device"
+#: Bytes per element of the fp32 gradient copied to the host optimizer under offload.
+HOST_GRAD_BYTES = 4
+#: The name suffix of an arm that is another arm with its optimizer states on the host (``zero3-offload``,
+#: ``asynchzp-offload``; see :func:`offload_twin`).
+OFFLOAD_SUFFIX = "-offload"
+
+
+def offload_twin(arm: str) -> str:
+    """The arm whose formulas ``arm`` has: ``BASE[:overrides]`` for ``BASE-offload[:overrides]``, else ``arm``.
+
+    Offload moves the optimizer states to the host and changes no collective, so an offload arm's network bytes
+    are its twin's, and its placement and host<->device copies are its twin's with offload. Every lookup of an
+    arm's formulas goes through here, so the name rule lives in one place. Overrides of a benchmark arm spec
+    (``asynchzp-offload:param_shard_size=2``) are kept: they set the twin's layout just the same."""
+    base, sep, overrides = arm.partition(":")
+    return base.removesuffix(OFFLOAD_SUFFIX) + sep + overrides
 
 
 def _ring(n: int) -> float:
@@ -160,6 +201,56 @@ def asynchzp_bytes(t: TrafficInputs, param_shard_size: int, grad_shard_size: int
             "by_flow": flows}
 
 
+# --------------------------------------------------------------------------------- host<->device (offload)
+def _directions(d2h: float, h2d: float) -> dict:
+    return {"to_host": d2h, "to_device": h2d, "total": d2h + h2d}
+
+
+def stock_offload_host_device_bytes(t: TrafficInputs, grad_accum_bytes: float | None = None) -> dict:
+    """Stock ZeRO-3's ``host_device`` bytes per rank per optimizer step under optimizer offload (also hpZ's and
+    ZeRO++'s, whose gradient partitions follow the same path): to the host ``A·a·P_r/N + 4·P_r/N``, to the
+    device ``A·a·P_r/N + b·P_t/N``; ``(2·a·A + 4 + b)·P/N`` in all with P_r = P_t = P. ``grad_accum_bytes``
+    (``a``) defaults to the parameter bytes, DeepSpeed's default accumulation dtype.
+
+    Only a partition that was reduced has a gradient to move: the per-micro-step round trip and the boundary's
+    fp32 copy carry P_r. The updated parameters come back for every trainable partition the host stepped (P_t)."""
+    a = t.param_bytes if grad_accum_bytes is None else grad_accum_bytes
+    reduced, trainable = t.reduced_elements / t.world, t.trainable_elements / t.world
+    return _directions(d2h=t.grad_accum * a * reduced + HOST_GRAD_BYTES * reduced,
+                       h2d=t.grad_accum * a * reduced + t.param_bytes * trainable)
+
+
+def asynchzp_host_device_bytes(t: TrafficInputs, optimizer_shard_size: int | None = None) -> dict:
+    """AsyncHZP's ``host_device`` bytes per rank per optimizer step under optimizer offload, whatever ``A``:
+    to the host ``4·P_r/d_o``, to the device ``b·P_t/d_o``. Elements of ``t`` padded to a multiple of ``d_o``
+    (default: the world).
+
+    The two directions differ in what they carry. Out go the fp32 gradients of the rank's own atoms of the
+    parameters that were reduced (P_r): the runtime copies only the parameters stock's offload path would copy
+    at the boundary (`runtime.host_offload`), and a trainable parameter that received no gradient has none to
+    send. Back come the updated parameters of all its trainable atoms (P_t): the host optimizer steps every
+    sub-group and each stepped one is copied into the parameter shard."""
+    d_o = t.world if optimizer_shard_size is None else optimizer_shard_size
+    if d_o < 1 or t.world % d_o:
+        raise ValueError(f"optimizer_shard_size {d_o} must divide the world {t.world}")
+    return _directions(d2h=HOST_GRAD_BYTES * t.reduced_elements / d_o,
+                       h2d=t.param_bytes * t.trainable_elements / d_o)
+
+
+def host_device_bytes(arm: str, t: TrafficInputs, optimizer_shard_size: int | None = None,
+                      grad_accum_bytes: float | None = None) -> dict:
+    """The ``host_device`` flow of an arm under optimizer offload: the stock formula for ``zero3``, ``hpz`` and
+    ``zeropp``, AsyncHZP's (with its ``d_o``) for any arm named ``asynchzp...``, and its twin's for an offload
+    arm (:func:`offload_twin`). Quantized arms copy the same bytes: quantization is a wire format of the network
+    flows only."""
+    twin = offload_twin(arm)
+    if twin in ("zero3", "hpz", "zeropp"):
+        return stock_offload_host_device_bytes(t, grad_accum_bytes)
+    if twin.startswith("asynchzp"):
+        return asynchzp_host_device_bytes(t, optimizer_shard_size)
+    raise ValueError(f"no host<->device formula for arm {arm!r}")
+
+
 # ------------------------------------------------------------------------------------- node-link bytes
 # What the node links of a real (or emulated) cluster carry, per rank, when the backend runs every collective
 # as a ring in rank order, as gloo does: only ring edges between two nodes put bytes on a link, and gloo's
@@ -200,17 +291,19 @@ def link_bytes(arm: str, t: TrafficInputs, param_shard_size: int = None, grad_sh
     """Bytes per rank per optimizer step over node links (payload only; see module notes).
 
     For ``arm`` ``"asynchzp"`` (or any name starting with it) the sizes are the layout's (``d_o`` defaults to
-    the world, ``d_g`` to ``d_p``, ``d_p`` to the node size). A quantized gradient flow is a pairwise exchange
-    (a quantized all-reduce: a pairwise exchange, then a ring all-gather)."""
+    the world, ``d_g`` to ``d_p``, ``d_p`` to the node size); an offload arm is its twin (:func:`offload_twin`).
+    A quantized gradient flow is a pairwise exchange (a quantized all-reduce: a pairwise exchange, then a ring
+    all-gather)."""
+    twin = offload_twin(arm)
     n, g, a = t.world, t.node_size, t.grad_accum
     nodes = n // g
     rs = GLOO_REDUCE_SCATTER_PASSES
     world_fraction = _link_fraction(n, nodes) * _ring(n)
-    if arm == "zero3":
+    if twin == "zero3":
         return a * (2 * t.param_bytes * t.gathered_elements + rs * t.grad_comm_bytes * t.reduced_elements) * world_fraction
-    if arm == "hpz":
+    if twin == "hpz":
         return (t.param_bytes * t.trainable_elements + a * rs * t.grad_comm_bytes * t.reduced_elements) * world_fraction
-    if arm == "zeropp":
+    if twin == "zeropp":
         # qwZ: one INT8 ring all-gather over the world per step; qgZ: the cross-node hop is a pairwise exchange
         # of the node-reduced INT4 slice between one rank per node (every byte of it on a link); the gradients
         # it cannot split are reduce-scattered over the world.
@@ -218,7 +311,7 @@ def link_bytes(arm: str, t: TrafficInputs, param_shard_size: int = None, grad_sh
         hop = zeropp_qgz_hop_bytes(q, g, nodes)
         fallback = rs * t.grad_comm_bytes * (t.reduced_elements - q) * world_fraction
         return ZEROPP_INT8_BYTES * t.trainable_elements * world_fraction + a * (hop + fallback)
-    if not arm.startswith("asynchzp"):
+    if not twin.startswith("asynchzp"):
         raise ValueError(f"no node-link formula for arm {arm!r}")
     d_p = g if param_shard_size is None else param_shard_size
     d_g = d_p if grad_shard_size is None else grad_shard_size

@@ -32,11 +32,16 @@ levels is assumed, so it is an upper bound of the exposed communication. Bandwid
 
 Planned models are one tensor of Ψ elements, padded to a multiple of the world (to a multiple of d_o for the
 asynchzp arms, as DeepSpeed pads over its partition group), so P_g = P_r = P_t = Ψ_padded.
+
+Optimizer offload (``offload_optimizer``): "auto" budgets device bytes, and `planner.offload` adds each arm's device
+and host bytes with and without offload and its host<->device bytes per step. An arm named ``BASE-offload`` (the
+benchmark's ``zero3-offload``, ``asynchzp-offload``) has ``BASE``'s formulas (`traffic.offload_twin`).
+
+The inputs as people write them (``70B``, ``400GB/s``, ``80GB``, a model spec) are read by `planner.inputs`.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import replace
 
 from ..accounting import sizing, traffic
@@ -45,7 +50,10 @@ from ..errors import AsyncHZPConfigError
 from ..layout import HierarchicalLayout
 from ..quantization import NO_QUANTIZATION, QuantizationPlan, plan_quantization
 from . import moe as moe_plan
+from . import offload as offload_plan
 from . import volume
+# Part of the package's interface: the CLI and callers read their inputs as planner.parse_count and so on.
+from .inputs import parse_bandwidth, parse_count, parse_memory, params_from_model_spec  # noqa: F401
 
 ARMS = ("zero3", "hpz", "zeropp", "asynchzp", "asynchzp-q")
 ARM_DESCRIPTIONS = {
@@ -67,9 +75,9 @@ QUANTIZATION_KEYS = ("quantized_weights", "quantized_gradients", "quantize_cross
 
 def arm_quantization(arm: str, world: int, node_size: int, d_p: int, d_g: int, d_o: int | None = None,
                      keys: dict | None = None) -> QuantizationPlan:
-    """The engine's quantization plan for an AsyncHZP arm: its `QUANTIZED_ARMS` keys (by base name), then
-    ``keys`` (an arm's own section values), defaults for the rest."""
-    base = arm.split(":")[0]
+    """The engine's quantization plan for an AsyncHZP arm: its `QUANTIZED_ARMS` keys (by base name, an offload
+    arm's twin's), then ``keys`` (an arm's own section values), defaults for the rest."""
+    base = traffic.offload_twin(arm).split(":")[0]
     values = {k: AsyncHZPConfig.model_fields[k].default for k in QUANTIZATION_KEYS}
     values.update(QUANTIZED_ARMS.get(base, {}))
     values.update({k: v for k, v in (keys or {}).items() if k in QUANTIZATION_KEYS and v is not None})
@@ -80,95 +88,6 @@ def arm_quantization(arm: str, world: int, node_size: int, d_p: int, d_g: int, d
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 INT8_BYTES = traffic.ZEROPP_INT8_BYTES
 INT4_BYTES = traffic.ZEROPP_INT4_BYTES
-
-# --------------------------------------------------------------------------------------------- parsing
-_COUNT_SUFFIX = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
-# Rates are quoted in decimal units by NIC and link vendors (400 GB/s NVLink, 200 Gbit/s InfiniBand).
-_DECIMAL = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15}
-_BINARY = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40, "P": 2**50}
-_NUMBER = r"(?P<num>\d+(?:\.\d*)?(?:[eE][+-]?\d+)?|\.\d+(?:[eE][+-]?\d+)?)"
-_UNIT = re.compile(r"(?P<prefix>[kKmMgGtTpP]?)(?P<binary>i?)(?P<base>bits?|bytes?|b|B)(?P<per>/s|/sec|ps)?",
-                   re.IGNORECASE)
-
-
-def parse_count(text: str) -> int:
-    """A parameter count: ``7e9``, ``70B``, ``1.3M``, ``350k``, ``1_000_000`` (B/G = 10^9, T = 10^12)."""
-    match = re.fullmatch(_NUMBER + r"\s*(?P<suffix>[kKmMbBgGtT]?)", str(text).strip().replace("_", "").replace(",", ""))
-    if not match:
-        raise ValueError(f"not a parameter count: {text!r} (examples: 7e9, 70B, 1.3M)")
-    value = round(float(match["num"]) * _COUNT_SUFFIX[match["suffix"].upper()])
-    if value < 1:
-        raise ValueError(f"parameter count must be >= 1, got {text!r}")
-    return value
-
-
-def _split_unit(text: str, what: str, example: str) -> tuple[float, re.Match]:
-    match = re.fullmatch(_NUMBER + r"\s*(?P<unit>\S+)", str(text).strip())
-    unit = _UNIT.fullmatch(match["unit"]) if match else None
-    if unit is None:
-        raise ValueError(f"not a {what}: {text!r}; give a number and a unit, e.g. {example}")
-    return float(match["num"]), unit
-
-
-def _is_bits(base: str) -> bool:
-    # "b" is a bit and "B" a byte (IEC/SI convention); spelled-out names are unambiguous in any case.
-    return base == "b" or base.lower() in ("bit", "bits")
-
-
-def parse_bandwidth(text: str) -> float:
-    """Bytes per second from ``400GB/s``, ``200Gbit``, ``200Gbps``, ``100Gb/s``, ``25GiB/s``.
-
-    ``B``/``byte`` are bytes and ``b``/``bit`` bits (divided by 8); prefixes are decimal (G = 10^9) unless written
-    ``Ki``/``Mi``/``Gi``/``Ti``. The ``/s`` is optional.
-    """
-    number, unit = _split_unit(text, "bandwidth", "400GB/s or 200Gbit")
-    scale = (_BINARY if unit["binary"] else _DECIMAL)[unit["prefix"].upper()]
-    value = number * scale / (8 if _is_bits(unit["base"]) else 1)
-    if value <= 0:
-        raise ValueError(f"bandwidth must be > 0, got {text!r}")
-    return value
-
-
-def parse_memory(text: str) -> int:
-    """Bytes from ``80GB``, ``64GiB``, ``40000MB``.
-
-    Memory sizes use binary multiples for both ``GB`` and ``GiB`` (drivers and torch report device memory
-    that way), the convention of ``async_hzp.memory_budget_gb``
-    (:data:`ds_asynchzp.accounting.sizing.BYTES_PER_GB`). Bits are rejected.
-    """
-    number, unit = _split_unit(text, "memory size", "80GB")
-    if _is_bits(unit["base"]) or unit["per"]:
-        raise ValueError(f"{text!r} is not a memory size in bytes; e.g. 80GB")
-    value = int(number * _BINARY[unit["prefix"].upper()])
-    if value <= 0:
-        raise ValueError(f"memory size must be > 0, got {text!r}")
-    return value
-
-
-def params_from_model_spec(spec: dict) -> int:
-    """Parameter count of a decoder-only transformer from ``{"layers", "hidden", "vocab", "ffn_hidden"?, "tied"?}``.
-
-    Ψ ≈ L·(4h² + 2·h·f) + V·h·(1 if tied else 2), f = ffn_hidden (default 4h, which gives the usual 12·L·h²):
-    attention q, k, v, o projections (4h²), a two-matrix MLP (2·h·f), the token embedding, and an output head
-    unless it is tied to the embedding. Biases, norms and position tables (< 0.1 % at scale) are left out. For a
-    gated MLP (SwiGLU: three h×f matrices) pass ffn_hidden = 1.5·f. ``tied`` defaults to false.
-    """
-    unknown = set(spec) - {"layers", "hidden", "vocab", "ffn_hidden", "tied"}
-    if unknown:
-        raise ValueError(f"model spec has unknown keys {sorted(unknown)}")
-    try:
-        layers, hidden, vocab = (int(spec[k]) for k in ("layers", "hidden", "vocab"))
-    except KeyError as missing:
-        raise ValueError(f"model spec lacks {missing}; it needs layers, hidden and vocab") from None
-    ffn = int(spec.get("ffn_hidden") or 4 * hidden)
-    if min(layers, hidden, vocab, ffn) < 1:
-        raise ValueError(f"model spec sizes must be >= 1: {spec}")
-    tied = spec.get("tied", False)
-    if not isinstance(tied, bool):  # a string "false" would otherwise count as tied
-        raise ValueError(f'model spec "tied" must be true or false, got {tied!r}')
-    heads = 1 if tied else 2
-    return layers * (4 * hidden * hidden + 2 * hidden * ffn) + heads * vocab * hidden
-
 
 # ------------------------------------------------------------------------------------------ the arms
 def zeropp_bytes(t: traffic.TrafficInputs) -> dict:
@@ -190,14 +109,16 @@ def arm_bytes(arm: str, t: traffic.TrafficInputs, d_p: int, d_g: int, d_o: int |
 
     ``d_o`` defaults to the world. Any arm named ``asynchzp...`` (e.g. a benchmark arm
     ``asynchzp:optimizer_shard_size=4``) is the asynchzp formula with its own layout and its quantization plan
-    (``quantization``, else :func:`arm_quantization` of the arm's name)."""
-    if arm == "zero3":
+    (``quantization``, else :func:`arm_quantization` of the arm's name). An offload arm (``zero3-offload``,
+    ``asynchzp-offload``) moves its twin's bytes (`traffic.offload_twin`): offload changes no collective."""
+    twin = traffic.offload_twin(arm)
+    if twin == "zero3":
         return traffic.zero3_bytes(t)
-    if arm == "hpz":
+    if twin == "hpz":
         return traffic.hpz_bytes(t)
-    if arm == "zeropp":
+    if twin == "zeropp":
         return zeropp_bytes(t)
-    if arm.startswith("asynchzp"):
+    if twin.startswith("asynchzp"):
         if quantization is None:
             quantization = arm_quantization(arm, t.world, t.node_size, d_p, d_g, d_o)
         return traffic.asynchzp_bytes(t, d_p, d_g, d_o, quantization)
@@ -245,9 +166,12 @@ def traffic_inputs(num_params: int, world: int, node_size: int, grad_accum: int,
                                  reduced_elements=padded, trainable_elements=padded, param_bytes=b, grad_comm_bytes=b)
 
 
-def _ds_config(world: int, grad_accum: int, dtype: str, grad_accum_dtype: str | None, section: dict) -> dict:
+def _ds_config(world: int, grad_accum: int, dtype: str, grad_accum_dtype: str | None, section: dict,
+               offload_optimizer: bool = False) -> dict:
     """The ds_config the engine would get for this plan (what resolve_layout reads for "auto")."""
     config = {"zero_optimization": {"stage": 3}, "gradient_accumulation_steps": grad_accum, "async_hzp": section}
+    if offload_optimizer:
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     if dtype in ("bf16", "fp16"):
         config[dtype] = {"enabled": True}
     if grad_accum_dtype is not None:
@@ -257,9 +181,11 @@ def _ds_config(world: int, grad_accum: int, dtype: str, grad_accum_dtype: str | 
 
 def resolve_plan_layout(num_params: int, world: int, node_size: int, sizes: dict, *, grad_accum: int = 1,
                         dtype: str = "bf16", grad_accum_dtype: str | None = None, budget_bytes: float | None = None,
-                        intra_bw: float | None = None, inter_bw: float | None = None) -> dict:
+                        intra_bw: float | None = None, inter_bw: float | None = None,
+                        offload_optimizer: bool = False) -> dict:
     """The layout the engine resolves for ``sizes`` (``{"param_shard_size": "auto" | int | None, ...}``), through
-    :func:`ds_asynchzp.config.resolve_layout` itself: ``{"d_p", "d_g", "d_o", "reason", "error"}``.
+    :func:`ds_asynchzp.config.resolve_layout` itself: ``{"d_p", "d_g", "d_o", "reason", "error"}``; with
+    ``offload_optimizer`` for a ds_config that offloads the optimizer to the host.
 
     ``error`` is set (and the sizes None) when "auto" finds nothing within the budget; an invalid integer size
     raises the engine's AsyncHZPConfigError."""
@@ -268,7 +194,7 @@ def resolve_plan_layout(num_params: int, world: int, node_size: int, sizes: dict
         section["memory_budget_gb"] = budget_bytes / sizing.BYTES_PER_GB
     section["intra_node_bandwidth_gbps"] = (intra_bw or DEFAULT_INTRA_BW) * 8 / 1e9
     section["inter_node_bandwidth_gbps"] = (inter_bw or DEFAULT_INTER_BW) * 8 / 1e9
-    config = _ds_config(world, grad_accum, dtype, grad_accum_dtype, section)
+    config = _ds_config(world, grad_accum, dtype, grad_accum_dtype, section, offload_optimizer)
     padded = sizing.padded_num_params([num_params], world)  # as the engine counts before d_o is known
     try:
         layout = resolve_layout(config, world, node_size, has_client_optimizer=True, num_parameters=padded)
@@ -293,7 +219,8 @@ def plan(num_params: int, world: int, node_size: int, grad_accum: int = 1, dtype
          intra_bw: float | None = None, inter_bw: float | None = None, device_memory: int | None = None,
          memory_budget: float | None = None, param_shard_size: int | str | None = "auto",
          grad_shard_size: int | str | None = None, optimizer_shard_size: int | str | None = "auto",
-         grad_accum_dtype: str | None = None, moe: "moe_plan.MoeInputs | None" = None) -> dict:
+         grad_accum_dtype: str | None = None, moe: "moe_plan.MoeInputs | None" = None,
+         offload_optimizer: bool = False) -> dict:
     """The whole plan as a JSON-ready dict: inputs, the ``"auto"`` pick and why, and per arm memory, bytes, time.
 
     Budget for ``"auto"``: ``memory_budget`` if given, else ``sizing.DEFAULT_BUDGET_FRACTION`` of
@@ -308,7 +235,13 @@ def plan(num_params: int, world: int, node_size: int, grad_accum: int = 1, dtype
     layout is chosen for the dense parameters within the budget (the experts' states come on top of it: the
     memory columns include them, the "auto" pick does not weigh them) and the arms' dense figures are theirs; every arm adds its experts' memory and bytes and the token all-to-all, split under
     ``by_family``; arms DeepSpeed cannot run with AutoEP are marked ``unavailable``.
+
+    ``offload_optimizer`` (not with ``moe``) resolves the layouts for optimizer states on the host and adds
+    ``auto_without_offload``, ``inputs["offload_optimizer"]``, ``inputs["host_device_bw_bytes_per_s"]`` and per arm
+    an ``offload_optimizer`` entry (:func:`planner.offload.arm_entry`); the other keys keep their no-offload meaning.
     """
+    if moe is not None and offload_optimizer:
+        raise ValueError("optimizer offload is not planned together with AutoEP experts")
     if moe is not None:
         moe_plan.check(moe, num_params, world, node_size)
         num_params -= moe.expert_params
@@ -329,7 +262,7 @@ def plan(num_params: int, world: int, node_size: int, grad_accum: int = 1, dtype
     else:
         budget, budget_source = float(sizing.default_budget_bytes(node_size)), "detected on this machine"
     common = dict(grad_accum=grad_accum, dtype=dtype, grad_accum_dtype=grad_accum_dtype, budget_bytes=budget,
-                  intra_bw=intra_bw, inter_bw=inter_bw)
+                  intra_bw=intra_bw, inter_bw=inter_bw, offload_optimizer=offload_optimizer)
     auto_sizes = dict.fromkeys(sizing.SIZE_KEYS, "auto")
     sizes = dict(zip(sizing.SIZE_KEYS, (param_shard_size, grad_shard_size, optimizer_shard_size)))
     if moe is not None:  # AutoEP allows d_o = world only (config_compat.expert_issues); "auto" picks it
@@ -341,6 +274,8 @@ def plan(num_params: int, world: int, node_size: int, grad_accum: int = 1, dtype
                              f"the world size {world}")
     auto = resolve_plan_layout(num_params, world, node_size, auto_sizes, **common)
     auto.update(budget_bytes=budget, budget_source=budget_source)
+    without_offload = (resolve_plan_layout(num_params, world, node_size, auto_sizes,
+                                           **dict(common, offload_optimizer=False)) if offload_optimizer else None)
 
     chosen = resolve_plan_layout(num_params, world, node_size, sizes, **common)
     given = ", ".join(f"{k}={v}" for k, v in sizes.items() if isinstance(v, int))
@@ -351,7 +286,7 @@ def plan(num_params: int, world: int, node_size: int, grad_accum: int = 1, dtype
         fixed = {k: v for k, v in sizes.items() if isinstance(v, int)}
         d_p, d_g, d_o, _ = sizing.smallest_memory_layout(
             sizing.padded_num_params([num_params], world), world, node_size, param_bytes=b, grad_accum_bytes=a,
-            fixed=fixed)
+            fixed=fixed, offload_optimizer=offload_optimizer)
         source = "smallest memory (auto found no fit)"
 
     arms = {}
@@ -387,8 +322,11 @@ def plan(num_params: int, world: int, node_size: int, grad_accum: int = 1, dtype
         }
         if families is not None:
             arms[arm]["by_family"] = families
+        if offload_optimizer:
+            arms[arm]["offload_optimizer"] = offload_plan.arm_entry(arm, t, d_p, d_g, d_o, a, device_memory,
+                                                                   None if times is None else times["total"])
     padded = sizing.padded_num_params([num_params], world)
-    return {
+    result = {
         "moe": None if moe is None else {"expert_params": moe.expert_params, "ep_size": moe.ep_size,
                                          "tokens": moe.tokens, "hidden": moe.hidden, "top_k": moe.top_k,
                                          "expert_group": dict(zip(("members", "per_node"),
@@ -411,10 +349,15 @@ def plan(num_params: int, world: int, node_size: int, grad_accum: int = 1, dtype
             "memory: model states only (no activations, buffers, fragmentation)",
         ],
     }
+    if offload_optimizer:
+        result["inputs"].update(offload_optimizer=True, host_device_bw_bytes_per_s=sizing.HOST_DEVICE_BW_BYTES_S)
+        result["auto_without_offload"] = without_offload
+        result["assumptions"] += offload_plan.ASSUMPTIONS
+    return result
 
 
 # ------------------------------------------------------------------- checking a benchmark run (--check)
-CHECKED_ARMS = ("zero3", "hpz", "zeropp", "asynchzp")  # and every arm named asynchzp...
+CHECKED_ARMS = ("zero3", "hpz", "zeropp", "asynchzp")  # and every arm named asynchzp..., and their -offload twins
 CHECK_RTOL = 0.05  # relative to the predicted bytes
 ZERO_PREDICTION_SLACK_BYTES = 1024  # where nothing is predicted, a few scalar all-reduces may still show up
 # Link counters of an emulated network see whole frames, both directions' TCP acknowledgements included; the
@@ -509,6 +452,7 @@ def _overhead_of(config: dict) -> float:
 
 
 def _is_checked(arm: str) -> bool:
+    arm = traffic.offload_twin(arm)
     return arm in CHECKED_ARMS or arm.startswith("asynchzp")
 
 
@@ -518,7 +462,9 @@ def check_results(results: dict) -> dict:
     Every arm whose name starts with ``asynchzp`` (``asynchzp``, ``asynchzp:optimizer_shard_size=4``, ...) is
     checked against the asynchzp formulas with its own layout (:func:`asynchzp_sizes`) and its elements padded
     to a multiple of its ``d_o``: the arm entry's ``elements`` if recorded, else the results' elements when
-    ``d_o`` is the world, else counted from the benchmark's model."""
+    ``d_o`` is the world, else counted from the benchmark's model. An offload arm (``zero3-offload``,
+    ``asynchzp-offload``) is checked against its twin's formulas (`traffic.offload_twin`): offload adds copies
+    between device and host, which no network counter sees, and changes no collective."""
     config = results["config"]
     if config.get("ep_size"):
         # The ledger splits such a run by family (`summary.md`); the formulas here are for one dense layout.
@@ -545,9 +491,10 @@ def check_results(results: dict) -> dict:
         if not _is_checked(arm):
             notes.append(f"arm {arm!r} has no formula here; not checked")
             continue
+        twin = traffic.offload_twin(arm)
         d_p = d_g = d_o = None
         multiple = world
-        if arm.startswith("asynchzp"):
+        if twin.startswith("asynchzp"):
             d_p, d_g, d_o = asynchzp_sizes(results, arm, node_size, world)
             layouts[arm] = {"d_p": d_p, "d_g": d_g, "d_o": d_o}
             multiple = d_o
@@ -556,9 +503,9 @@ def check_results(results: dict) -> dict:
         t = traffic.TrafficInputs(world=world, node_size=node_size, grad_accum=int(config["grad_accum"]),
                                   gathered_elements=elements["gathered"], reduced_elements=elements["reduced"],
                                   trainable_elements=elements["trainable"], param_bytes=b, grad_comm_bytes=b,
-                                  qgz_elements=elements.get("qgz") if arm == "zeropp" else None)
+                                  qgz_elements=elements.get("qgz") if twin == "zeropp" else None)
         quantization = (arm_quantization(arm, world, node_size, d_p, d_g, d_o, entry.get("layout"))
-                        if arm.startswith("asynchzp") else NO_QUANTIZATION)
+                        if twin.startswith("asynchzp") else NO_QUANTIZATION)
         predicted = arm_bytes(arm, t, d_p, d_g, d_o, quantization)
         for where in ("intra_node", "inter_node"):
             rows.append(_compare(arm, where, predicted[where], float(entry["bytes_per_step"][where])))

@@ -2,10 +2,12 @@
 
     asynchzp-plan --params 70B --world 1024 --node-size 16 --intra-bw 400GB/s --inter-bw 200Gbit \\
                   --grad-accum 8 --device-memory 64GB
+    asynchzp-plan --params 70B --world 16 --node-size 8 --device-memory 80GB --grad-accum 8 --offload-optimizer
     asynchzp-plan --check bench_out/results.json     # formulas against an asynchzp-bench run
 
 The numbers come from :mod:`ds_asynchzp.planner` (which uses the same traffic formulas, memory model and
-``"auto"`` rule as the engine, and prints which layout ``"auto"`` would choose and why). ``--json`` prints the same content machine-readably. Exit status: 0, 1 when
+``"auto"`` rule as the engine, and prints which layout ``"auto"`` would choose and why). ``--json`` prints the same content machine-readably. Bandwidths
+left out are the ``async_hzp`` defaults that ``"auto"`` uses (800 and 200 Gbit/s). Exit status: 0, 1 when
 ``--check`` finds a difference above 5 %, 2 for bad arguments or an unreadable results.json.
 """
 
@@ -18,6 +20,7 @@ from pathlib import Path
 
 from .. import planner
 from ..accounting.sizing import BYTES_PER_GB
+from . import offload as offload_plan
 from .moe import MoeInputs
 from .time_model import TIME_RTOL, check_sweep, load_sweep
 
@@ -64,9 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--world", type=_argtype(_positive_int), help="data-parallel ranks")
     parser.add_argument("--node-size", type=_argtype(_positive_int), help="ranks per node; divides --world")
     parser.add_argument("--intra-bw", type=_argtype(planner.parse_bandwidth),
-                        help="intra-node bandwidth per rank, e.g. 400GB/s (B = bytes, b/bit = bits, G = 10^9)")
+                        help="intra-node bandwidth per rank, e.g. 400GB/s (B = bytes, b/bit = bits, G = 10^9); "
+                             "default: async_hzp.intra_node_bandwidth_gbps's, 800 Gbit/s")
     parser.add_argument("--inter-bw", type=_argtype(planner.parse_bandwidth),
-                        help="inter-node bandwidth per rank, e.g. 200Gbit or 25GB/s")
+                        help="inter-node bandwidth per rank, e.g. 200Gbit or 25GB/s; default: "
+                             "async_hzp.inter_node_bandwidth_gbps's, 200 Gbit/s")
     parser.add_argument("--grad-accum", type=_argtype(_positive_int), default=1,
                         help="micro-steps per optimizer step (default: %(default)s)")
     parser.add_argument("--device-memory", type=_argtype(planner.parse_memory),
@@ -85,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--optimizer-shard-size", type=_argtype(_shard_size), default="auto",
                         help='d_o: "auto" or a divisor of --world that is a multiple of d_g; "auto" sizes are '
                              "chosen together, integer sizes constrain them (default: %(default)s)")
+    parser.add_argument("--offload-optimizer", action="store_true",
+                        help='plan with zero_optimization.offload_optimizer.device "cpu": "auto" budgets device '
+                             "bytes only; every arm shows device and host memory per rank with and without "
+                             "offload, and host<->device bytes per step")
     moe = parser.add_argument_group("mixture of experts (AutoEP)")
     moe.add_argument("--expert-params", type=_argtype(planner.parse_count),
                      help="routed-expert parameters of the whole model (all experts), part of --params; plans "
@@ -132,21 +141,45 @@ def _params(n: int) -> str:
     return str(n)
 
 
+def _offload_row(arm: str, entry: dict) -> list[str]:
+    """The offload table's row: memory with offload (and the device's without), every flow, the times."""
+    off, moved, times = entry["offload_optimizer"], entry["bytes_per_step"], entry["comm_time_s"]
+    copies, fits = off["host_device_bytes_per_step"]["total"], off["fits_device_memory"]
+    return [arm, _gib(off["device_bytes"]["total"]), _gib(off["host_bytes"]["total"]),
+            _gib(off["without_offload"]["device_bytes"]["total"]), "?" if fits is None else ("yes" if fits else "NO"),
+            f"{moved['intra_node'] / GB:,.1f}", f"{moved['inter_node'] / GB:,.1f}", f"{copies / GB:,.1f}",
+            f"{times['total']:.2f}", f"{off['host_device_s']:.2f}", f"{off['comm_time_s']:.2f}"]
+
+
+OFFLOAD_HEADER = ["arm", "device/rank", "host/rank", "device w/o offload", "fits", "intra GB/step", "inter GB/step",
+                  "h<->d GB/step", "network s", "h<->d s", "comm s/step"]
+
+
 def format_plan(result: dict) -> str:
     inp, auto, layout = result["inputs"], result["auto"], result["layout"]
+    offload = inp.get("offload_optimizer", False)
     lines = [
         f"model: {_params(inp['params'])} params ({inp['padded_params']:,} padded to a multiple of the world), "
         f"{inp['dtype']}; grad accumulation {inp['grad_accum']}",
         f"cluster: world {inp['world']} = {inp['nodes']} nodes x {inp['node_size']} ranks; per rank intra "
         f"{_rate(inp['intra_bw_bytes_per_s'])}, inter {_rate(inp['inter_bw_bytes_per_s'])}"
+        + (" (async_hzp's defaults where not given)" if inp.get("default_bandwidths") else "")
         + (f"; device memory {_gib(inp['device_memory_bytes'])}" if inp["device_memory_bytes"] else ""),
     ]
+    if offload:
+        lines.append(f"optimizer offload (offload_optimizer.device \"cpu\"): master weights, Adam moments and fp32 "
+                     f"gradients on the host; host<->device copies at {inp['host_device_bw_bytes_per_s'] / GB:g} "
+                     "GB/s per rank; the budget bounds device memory")
     budget = f"budget {_gib(auto['budget_bytes'])}, {auto['budget_source']}"
     if auto["error"] is None:
         lines.append(f'"auto" would choose d_p={auto["d_p"]} d_g={auto["d_g"]} d_o={auto["d_o"]} ({budget}):')
         lines.append(f"  {auto['reason']}")
     else:
         lines.append(f'"auto" finds no layout ({budget}): {auto["error"]}')
+    plain = result.get("auto_without_offload")
+    if plain is not None:
+        lines.append(f'"auto" without offload finds no layout: {plain["error"]}' if plain["error"] else
+                     f'"auto" without offload would choose d_p={plain["d_p"]} d_g={plain["d_g"]} d_o={plain["d_o"]}')
     lines.append(f"asynchzp arms use d_p={layout['d_p']} d_g={layout['d_g']} d_o={layout['d_o']} "
                  f"({layout['source']})")
     if layout.get("reason") and layout["reason"] != auto.get("reason"):
@@ -159,14 +192,18 @@ def format_plan(result: dict) -> str:
                      f"rank's experts live on an expert-data-parallel group of {group['members']} ranks, "
                      f"{group['per_node']} per node; the layout is chosen for the dense parameters (--params minus "
                      "--expert-params) with d_o = the world; the experts' states come on top of its budget")
-    header = ["arm", "model states/rank", "fits", "intra GB/step", "inter GB/step", "intra s", "inter s",
-              "comm s/step"]
+    header = (OFFLOAD_HEADER if offload else
+              ["arm", "model states/rank", "fits", "intra GB/step", "inter GB/step", "intra s", "inter s",
+               "comm s/step"])
     if moe is not None:
         header += [f"{f} inter GB" for f in ("dense", "expert", "tokens")]
     rows, not_planned = [header], []
     for arm, entry in result["arms"].items():
         if entry.get("unavailable"):
             not_planned.append(f"{arm}: not planned: {entry['unavailable']}")
+            continue
+        if offload:
+            rows.append(_offload_row(arm, entry))
             continue
         fits = entry["fits_device_memory"]
         moved, times = entry["bytes_per_step"], entry["comm_time_s"]
@@ -180,6 +217,8 @@ def format_plan(result: dict) -> str:
     table = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
              for row in rows]
     table += [f"  {line}" for line in not_planned]
+    if offload:
+        table += ["", offload_plan.summary(result)]
     legend = [f"  {arm}: {entry['description']}" for arm, entry in result["arms"].items()]
     legend += [f"  - {a}" for a in result["assumptions"]]
     return "\n".join(lines + [""] + table + ["", "Arms and assumptions (GB = 10^9 bytes, GiB = 2^30):"] + legend)
@@ -268,8 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_check(args.check, args.json)
 
     missing = [flag for flag, value in (("--params or --model-json", args.params or args.model_json),
-                                        ("--world", args.world), ("--node-size", args.node_size),
-                                        ("--intra-bw", args.intra_bw), ("--inter-bw", args.inter_bw))
+                                        ("--world", args.world), ("--node-size", args.node_size))
                if value is None]
     if missing:
         parser.error(f"planning needs {', '.join(missing)}")
@@ -282,13 +320,21 @@ def main(argv: list[str] | None = None) -> int:
         moe = MoeInputs(args.expert_params, args.ep_size, args.tokens, args.hidden, args.top_k)
     elif args.ep_size is not None:
         parser.error("--ep-size needs --expert-params")
+    if moe is not None and args.offload_optimizer:
+        parser.error("--offload-optimizer is not planned together with --expert-params")
+    # The rates "auto" assumes when the config gives none, so the time columns match its pick.
+    default_bandwidths = args.intra_bw is None or args.inter_bw is None
+    intra_bw = planner.DEFAULT_INTRA_BW if args.intra_bw is None else args.intra_bw
+    inter_bw = planner.DEFAULT_INTER_BW if args.inter_bw is None else args.inter_bw
     try:
         result = planner.plan(_num_params(args, parser), args.world, args.node_size, args.grad_accum, args.dtype,
-                              args.intra_bw, args.inter_bw, args.device_memory, args.memory_budget,
+                              intra_bw, inter_bw, args.device_memory, args.memory_budget,
                               args.param_shard_size, args.grad_shard_size, args.optimizer_shard_size,
-                              args.grad_accum_dtype, moe=moe)
+                              args.grad_accum_dtype, moe=moe, offload_optimizer=args.offload_optimizer)
     except ValueError as exc:  # includes AsyncHZPConfigError for an invalid explicit layout
         parser.error(str(exc))
+    if default_bandwidths:
+        result["inputs"]["default_bandwidths"] = True
     print(json.dumps(result, indent=2) if args.json else format_plan(result))
     return 0
 

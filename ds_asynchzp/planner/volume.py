@@ -80,13 +80,15 @@ def asynchzp_table_flows(t: traffic.TrafficInputs, d_p: int, d_g: int, d_o: int,
 def arm_flows(arm: str, t: traffic.TrafficInputs, d_p: int | None = None, d_g: int | None = None,
               d_o: int | None = None, quantization=None) -> dict:
     """Predicted cross-node bytes per rank per optimizer step of each flow of `TABLE_FLOWS`, for any arm the
-    planner knows (an ``asynchzp...`` arm with its layout and quantization plan)."""
-    if arm == "zero3":
+    planner knows (an ``asynchzp...`` arm with its layout and quantization plan; an offload arm with its
+    twin's, `traffic.offload_twin`)."""
+    twin = traffic.offload_twin(arm)
+    if twin == "zero3":
         return zero3_flows(t)
-    if arm == "hpz":
+    if twin == "hpz":
         return hpz_flows(t)
-    if arm == "zeropp":
+    if twin == "zeropp":
         return zeropp_flows(t, t.qgz_elements)
-    if arm.startswith("asynchzp"):
+    if twin.startswith("asynchzp"):
         return asynchzp_table_flows(t, d_p, d_g, t.world if d_o is None else d_o, quantization)
     raise ValueError(f"no flow formulas for arm {arm!r}")
