@@ -136,6 +136,14 @@ def test_arm_specs_name_a_base_arm_and_its_async_hzp_overrides():
     ("zero9:param_shard_size=1", ["unknown arm(s) 'zero9'"]),
     # Values go through the engine's own config check before any rank starts.
     ("asynchzp:param_shard_size=3", ["'asynchzp:param_shard_size=3'", "async_hzp.param_shard_size"]),
+    # The offload arms: the stock one takes no overrides, the AsyncHZP one those of asynchzp, checked alike.
+    ("zero3-offload:param_shard_size=2", ["'zero3-offload:param_shard_size=2'", "takes no overrides"]),
+    ("asynchzp-offload:enabled=false", ["'asynchzp-offload:enabled=false'", "key 'enabled' cannot be overridden"]),
+    ("asynchzp-offload:async_comm=false", ["key 'async_comm' cannot be overridden",
+                                           "the asynchzp-offload arm runs with async_comm true"]),
+    ("asynchzp-offload:param_shard_size=3", ["'asynchzp-offload:param_shard_size=3'", "async_hzp.param_shard_size"]),
+    ("asynchzp-offload:offload_optimizer=cpu", ["unknown key 'offload_optimizer'"]),
+    ("zero3-offload,zero3-offload", ["listed twice: zero3-offload"]),
 ])
 def test_bad_arm_specs_fail_before_any_rank_starts(capsys, monkeypatch, tmp_path, arms, fragments):
     def no_launch(*args, **kwargs):
@@ -195,6 +203,33 @@ def test_asynchzp_sync_arm_is_the_asynchzp_placement_with_synchronous_communicat
     assert config["arm_overrides"]["asynchzp-sync"] == {"async_hzp": {"node_size": 2, "async_comm": False}}
     assert config["arm_specs"][name] == {"base": "asynchzp-sync", "overrides": {"param_shard_size": 1}}
     assert "async_comm" not in arms.override_keys()
+
+
+def test_offload_arms_add_optimizer_offload_alone():
+    """zero3-offload and asynchzp-offload are zero3 and asynchzp with the optimizer on the host: the same knobs,
+    model and data, the one offload section (DeepSpeed's default pin_memory), recorded as the arm's override."""
+    name = "asynchzp-offload:param_shard_size=1"
+    args = cli.parse_args(["--arms", f"zero3,asynchzp,zero3-offload,asynchzp-offload,{name}", "--nproc", "4",
+                           "--node-size", "2"])
+    assert args.arms == ["zero3", "asynchzp", "zero3-offload", "asynchzp-offload", name]
+    assert "offload" not in arms.DEFAULT_ARMS  # opt-in: the default run stays as fast as before
+    for arm, twin in (("zero3-offload", "zero3"), ("asynchzp-offload", "asynchzp"), (name, "asynchzp")):
+        config, plain = cli.ds_config_for(arm, args), cli.ds_config_for(twin, args)
+        assert config["zero_optimization"].pop("offload_optimizer") == {"device": "cpu"}
+        if arm == name:
+            assert config["async_hzp"] == {"node_size": 2, "param_shard_size": 1}
+            config["async_hzp"] = plain["async_hzp"]
+        assert config == plain, arm
+        assert cli._payload(arm, args)["expected_optimizer"] == cli._payload(twin, args)["expected_optimizer"]
+        assert arms.placement_arm(arms.parse_arm_spec(arm).base) == twin
+    assert "offload_optimizer" not in cli.ds_config_for("asynchzp", args)["zero_optimization"]
+    overrides = cli.run_config(args)["arm_overrides"]
+    assert overrides["zero3-offload"] == {"zero_optimization.offload_optimizer": {"device": "cpu"}}
+    assert overrides["asynchzp-offload"] == {"zero_optimization.offload_optimizer": {"device": "cpu"},
+                                             "async_hzp": {"node_size": 2}}
+    # A later edit of one arm's ds_config cannot reach another's.
+    cli.ds_config_for("zero3-offload", args)["zero_optimization"]["offload_optimizer"]["device"] = "nvme"
+    assert cli.ds_config_for("asynchzp-offload", args)["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
 
 
 def test_comm_delay_reaches_every_payload_and_the_recorded_config():

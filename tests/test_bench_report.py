@@ -365,3 +365,53 @@ def test_summary_table_shows_exposed_and_busy_communication():
         del entry["comm_busy_s_per_step"]
     older = table_rows(format_table(results).split("\n\n", 1)[0])
     assert older["hpz"]["exposed comm s/step"] == older["hpz"]["comm busy s/step"] == "n/a"
+
+
+def results_with_offload() -> dict:
+    """The synthetic run plus the two offload arms, with what their workers record (the figures of a real run of
+    the small model on 8 ranks would be these formulas' exactly)."""
+    from ds_asynchzp.bench.offload import add_offload_figures, predicted_figures
+
+    results = synthetic_results(optional=False)
+    arms = results["arms"]
+    for arm, twin, layout in (("zero3-offload", "zero3", _layout(8, 4, 8, 8, 8)),
+                              ("asynchzp-offload", "asynchzp", _layout(8, 4, 4, 4, 8))):
+        arms[arm] = dict(copy.deepcopy(arms[twin]), layout=layout)
+        results["config"]["arms"].append(arm)
+        predicted = predicted_figures(results, arm)
+        host = {("grad_primary" if r == "grad_shard" else r): v for r, v in predicted["host"].items()}
+        arms[arm]["host_state_bytes"] = {"grad_primary": 0, **host}
+        arms[arm]["model_state_bytes"] = {**{r: v for r, v in host.items() if r != "fp32_grad"},
+                                          **{r: v for r, v in predicted["device"].items()}}
+        arms[arm]["model_state_bytes"]["total"] = sum(v for r, v in arms[arm]["model_state_bytes"].items()
+                                                      if r != "total")
+        # Stock's copies are not recorded on CPU ranks: the ledger saw none.
+        arms[arm]["host_device_bytes_per_step"] = ({"to_host": 0.0, "to_device": 0.0, "total": 0.0}
+                                                   if arm == "zero3-offload" else predicted["host_device"])
+        add_offload_figures(results, arm)
+    return results
+
+
+def test_offload_section_shows_measured_copies_next_to_the_formula(tmp_path):
+    results = results_with_offload()
+    arms = results["arms"]
+    assert "offload" not in arms["zero3"] and "offload" not in arms["asynchzp"]
+    text = report.write_report(results, tmp_path).read_text(encoding="utf-8")
+    section = text.split("## Optimizer offload", 1)[1].split("\n## ", 1)[0]
+    rows = table_rows(section)
+    assert list(rows) == ["zero3-offload", "asynchzp-offload"]
+    stock = arms["zero3-offload"]["offload"]["host_device_bytes_per_step"]
+    ours = arms["asynchzp-offload"]["offload"]["host_device_bytes_per_step"]
+    assert stock["measured"] is None and stock["shown"] == "predicted"
+    total = f"{stock['predicted']['total'] / 1e6:.3f}"
+    assert rows["zero3-offload"]["host<->device MB/step"] == f"{total} (formula; not measurable)"
+    assert rows["asynchzp-offload"]["host<->device MB/step"] == (
+        f"{ours['measured']['total'] / 1e6:.3f} (formula {ours['predicted']['total'] / 1e6:.3f})")
+    # 4 micro-steps, fp32, d_o = N: (4 + 4) / (2·4·4 + 4 + 4) of stock's bytes.
+    assert rows["asynchzp-offload"]["vs zero3-offload"] == "0.200"
+    assert "grad_shard" in rows["zero3-offload"]["host by role MB"]
+    assert "grad_shard" not in rows["asynchzp-offload"]["host by role MB"]
+    assert "not a measurement" in section and "there is no PCIe" in section and "favours zero3-offload" in section
+    # Without offload arms, no section.
+    del arms["zero3-offload"], arms["asynchzp-offload"]
+    assert "## Optimizer offload" not in report.write_report(results, tmp_path).read_text(encoding="utf-8")

@@ -53,7 +53,7 @@ def aggregate_arm(rank_results: list, warmup: int, tokens_per_step: int) -> dict
 
     where = ("intra_node", "inter_node")
     bytes_per_step = {w: mean_over_ranks(lambda st, w=w: st[w]) for w in where}
-    bytes_by_family = bytes_by_flow = None
+    bytes_by_family = bytes_by_flow = host_device = None
     ops = sorted({op for r in by_rank for st in r["steps"] for op in st["by_op"]})
     bytes_by_op = {op: {w: mean_over_ranks(lambda st, op=op, w=w: st["by_op"].get(op, {}).get(w, 0.0))
                         for w in where} for op in ops}
@@ -90,6 +90,9 @@ def aggregate_arm(rank_results: list, warmup: int, tokens_per_step: int) -> dict
                              for w in flow_keys} for f in flows}
         if readers:
             wire = sum(r["steady_bytes_per_step"]["node_tx_bytes"] for r in readers) / n_ranks
+        if all("host_device" in s for s in steady):
+            host_device = {d: sum(s["host_device"][d] for s in steady) / n_ranks for d in ("to_host", "to_device")}
+            host_device["total"] = host_device["to_host"] + host_device["to_device"]
 
     median_step = statistics.median(step_times[warmup:])
     tensors = by_rank[0].get("parameter_tensors")
@@ -113,6 +116,9 @@ def aggregate_arm(rank_results: list, warmup: int, tokens_per_step: int) -> dict
         # forward gather / backward gather / gradient reduction / parameter refresh / other (accounting.flows).
         "bytes_per_step_by_flow": bytes_by_flow,
         "families": by_rank[0].get("families"),
+        # Bytes copied between device and host memory that the ledger saw (AsyncHZP's offload copies), per rank per
+        # optimizer step, mean over ranks; None from workers that predate the figure.
+        "host_device_bytes_per_step": host_device,
         "link_bytes_inter_node_per_step": link,
         "wire_bytes_inter_node_per_step": wire,
         "comm_time_s": comm_time,
@@ -124,6 +130,9 @@ def aggregate_arm(rank_results: list, warmup: int, tokens_per_step: int) -> dict
         "collective_calls_per_step": mean_over_ranks(lambda st: st["calls"]),
         "peak_memory_bytes": max(r["peak_rss_bytes"] for r in by_rank),
         "model_state_bytes": by_rank[0]["model_state_bytes"],
+        # Under optimizer offload, rank 0's model states on the host by role (`bench.offload`).
+        "host_state_bytes": by_rank[0].get("host_state_bytes"),
+        "host_optimizer_class": by_rank[0].get("host_optimizer_class"),
         # The resolved group sizes (the same on every rank; rank 0's), and their one-line description.
         "layout": by_rank[0].get("layout"),
         "layout_text": by_rank[0].get("layout_text"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from ..accounting.traffic import offload_twin
 from ..planner import QUANTIZED_ARMS
 
 # arm -> (what it is, substring of the optimizer class the worker must find in the engine).
@@ -24,13 +25,28 @@ ARMS = {
                     "HierarchicalZeroOptimizer"),
     "asynchzp-qg": ("AsyncHZP, every gradient reduction a quantized all-to-all (quantized_gradients)",
                     "HierarchicalZeroOptimizer"),
+    "zero3-offload": ("stock DeepSpeed ZeRO-3, optimizer states on the host (offload_optimizer cpu, "
+                      "DeepSpeedCPUAdam)", "DeepSpeedZeroOptimizer_Stage3"),
+    "asynchzp-offload": ("AsyncHZP, optimizer states on the host (offload_optimizer cpu, DeepSpeedCPUAdam)",
+                         "HierarchicalZeroOptimizer"),
 }
+# The offload arms are opt-in: on CPU ranks their host Adam and copies lengthen the default run.
 DEFAULT_ARMS = "zero3,hpz,asynchzp"
+# Optimizer offload as both offload arms set it; pin_memory is left to DeepSpeed's default (true in 0.19.8), so
+# neither arm gets a setting the other lacks.
+OFFLOAD_OPTIMIZER = {"device": "cpu"}
+# Offload arm -> the arm it is with its optimizer states on the host: everything else, ds_config and formulas,
+# is that arm's. The name rule is the formulas' own (`traffic.offload_twin`), so the bench and the planner agree.
+OFFLOAD_ARMS = {arm: offload_twin(arm) for arm in ARMS if offload_twin(arm) != arm}
+# zero_optimization keys each arm adds to the shared ZeRO-3 knobs (beyond hpZ's and ZeRO++'s, which the CLI sets
+# from the node size).
+ARM_ZERO_KEYS = {arm: {"offload_optimizer": dict(OFFLOAD_OPTIMIZER)} for arm in OFFLOAD_ARMS}
 # Arms built on the ds_config's "async_hzp" section: only these take `BASE:key=value` overrides of that section.
-OVERRIDABLE_ARMS = ("asynchzp", "asynchzp-sync", *QUANTIZED_ARMS)
+OVERRIDABLE_ARMS = ("asynchzp", "asynchzp-sync", *QUANTIZED_ARMS, "asynchzp-offload")
 # Section keys each of those arms fixes: asynchzp and asynchzp-sync differ in async_comm alone, so an A/B of them
-# isolates the scheduling; each quantized arm differs from asynchzp in its quantization key alone.
-ARM_SECTION_KEYS = {"asynchzp": {}, "asynchzp-sync": {"async_comm": False}, **QUANTIZED_ARMS}
+# isolates the scheduling; each quantized arm differs from asynchzp in its quantization key alone; asynchzp-offload
+# differs from it in ARM_ZERO_KEYS alone.
+ARM_SECTION_KEYS = {"asynchzp": {}, "asynchzp-sync": {"async_comm": False}, **QUANTIZED_ARMS, "asynchzp-offload": {}}
 # Section keys an arm spec may not set, and why: "enabled": false would train stock ZeRO-3 under an AsyncHZP name;
 # "async_comm" is what the arm's name says, so flipping it would mislabel every figure of the arm.
 FORBIDDEN_OVERRIDE_KEYS = {
@@ -39,6 +55,17 @@ FORBIDDEN_OVERRIDE_KEYS = {
 }
 # async_comm value -> the arm that runs with it, named in the error that refuses the key.
 ASYNC_COMM_ARMS = {True: "asynchzp", False: "asynchzp-sync"}
+
+
+def arm_zero_keys(base: str) -> dict:
+    """The arm's own zero_optimization keys (`ARM_ZERO_KEYS`), a fresh copy for the caller's ds_config."""
+    return {k: dict(v) if isinstance(v, dict) else v for k, v in ARM_ZERO_KEYS.get(base, {}).items()}
+
+
+def placement_arm(base: str) -> str:
+    """The arm whose placement (and formulas) an arm has: an offload arm's twin without offload, else itself
+    (`traffic.offload_twin`)."""
+    return offload_twin(base)
 
 
 class ArmSpecError(ValueError):
@@ -91,6 +118,10 @@ def _override_value(text: str):
 
 def _async_comm_hint(base: str, raw: str, parts: list[str]) -> str:
     """Which arm to run instead of overriding async_comm, spelled with the spec's other overrides."""
+    if base not in ASYNC_COMM_ARMS.values():
+        # Naming asynchzp-sync here would drop what the arm adds (its quantization, its offload).
+        return (f"{FORBIDDEN_OVERRIDE_KEYS['async_comm']}: the {base} arm runs with async_comm true; compare "
+                "asynchzp with asynchzp-sync for the scheduling")
     wanted = ASYNC_COMM_ARMS.get(raw.lower() == "true") if raw.lower() in ("true", "false") else None
     if wanted is None:
         return (f"{FORBIDDEN_OVERRIDE_KEYS['async_comm']}; run the asynchzp arm for communication on background "

@@ -24,11 +24,12 @@ from pathlib import Path
 from ..layout import expert_members_per_node
 from ..planner.moe import UNSUPPORTED_ARMS as MOE_UNSUPPORTED_ARMS
 from .aggregate import aggregate_arm, merge_repeats
-from .arms import (ARM_SECTION_KEYS, ARMS, DEFAULT_ARMS, OVERRIDABLE_ARMS, ArmSpec, ArmSpecError, parse_arm_spec,
-                   parse_arm_specs)
+from .arms import (ARM_SECTION_KEYS, ARMS, DEFAULT_ARMS, OVERRIDABLE_ARMS, ArmSpec, ArmSpecError,
+                   arm_zero_keys, parse_arm_spec, parse_arm_specs)
 from .launch import prepare_ops
 from .model import HOST_OVERHEAD_PRESET, MODEL_PRESETS
 from .moe_model import MOE_PRESETS, autoep_config
+from .offload import add_offload_figures
 from .progress import StepProgress
 from .table import format_table
 from .zero3_knobs import DEFAULT_PRESET as DEFAULT_ZERO3_KNOBS
@@ -93,8 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "reports loss agreement, intra/inter-node bytes, step time, exposed communication and memory.")
     parser.add_argument("--arms", default=DEFAULT_ARMS,
                         help=f"comma-separated arms to run, in order; known: {', '.join(ARMS)} (asynchzp-sync: the "
-                             "asynchzp placement with async_comm false, an A/B of the background threads). An "
-                             "asynchzp or asynchzp-sync arm may override keys of its ds_config's async_hzp section: "
+                             "asynchzp placement with async_comm false, an A/B of the background threads; "
+                             "zero3-offload, asynchzp-offload: zero3 and asynchzp with offload_optimizer cpu). An "
+                             "AsyncHZP arm may override keys of its ds_config's async_hzp section: "
                              "BASE:key=value[:key=value]..., e.g. asynchzp:param_shard_size=1:grad_shard_size=2 "
                              "(integers or \"auto\"); the whole spec names the arm in every output "
                              "(default: %(default)s)")
@@ -168,7 +170,7 @@ def cpu_supports_fp16() -> bool:
 
 def _check_arm_config(spec: ArmSpec, args: argparse.Namespace) -> None:
     """Run the engine's own config check on an arm that sets section keys (its overrides, asynchzp-sync's
-    async_comm) now, so a bad value fails before any rank starts.
+    async_comm) or zero keys next to the section (asynchzp-offload's), so a bad value fails before any rank starts.
 
     With "auto" sizes the layout depends on the model's padded parameter count, which the engine computes; then
     only the section itself is validated here and the engine resolves the rest at start-up."""
@@ -198,7 +200,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.nproc % args.node_size:
         parser.error(f"--nproc {args.nproc} is not a multiple of --node-size {args.node_size}")
     for spec in specs:
-        if spec.overrides or ARM_SECTION_KEYS.get(spec.base):
+        if spec.overrides or ARM_SECTION_KEYS.get(spec.base) or (spec.base in OVERRIDABLE_ARMS
+                                                                 and arm_zero_keys(spec.base)):
             try:
                 _check_arm_config(spec, args)
             except ArmSpecError as exc:
@@ -255,9 +258,10 @@ def arm_overrides(arm: str, args: argparse.Namespace) -> dict:
         return {"zero_optimization.zero_hpz_partition_size": args.node_size}
     if spec.base == "zeropp":
         return {f"zero_optimization.{k}": v for k, v in _zeropp_keys(args).items()}
+    added = {f"zero_optimization.{k}": v for k, v in arm_zero_keys(spec.base).items()}
     if spec.base in OVERRIDABLE_ARMS:
-        return {"async_hzp": _async_hzp_section(spec, args)}
-    return {}
+        added["async_hzp"] = _async_hzp_section(spec, args)
+    return added
 
 
 def _zeropp_keys(args: argparse.Namespace) -> dict:
@@ -303,6 +307,7 @@ def ds_config_for(arm: str, args: argparse.Namespace) -> dict:
         zero["zero_hpz_partition_size"] = args.node_size
     if spec.base == "zeropp":
         zero.update(_zeropp_keys(args))
+    zero.update(arm_zero_keys(spec.base))
     config = {
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_accumulation_steps": args.grad_accum,
@@ -502,6 +507,7 @@ def _run_arms(args: argparse.Namespace, results: dict, cluster=None) -> None:
             entry["wall_time_s"] = time.monotonic() - started
             entries[arm].append(entry)
             results["arms"][arm] = merge_repeats(entries[arm])
+            add_offload_figures(results, arm)
             write_json_atomically(out / "results.json", results)
             exposed, busy = entry.get("exposed_comm_s_per_step"), entry.get("comm_busy_s_per_step")
             comm = "" if exposed is None or busy is None else f", exposed comm {exposed:.3f}s (busy {busy:.3f}s)"

@@ -1,7 +1,8 @@
 """A self-contained A/B report of one ``asynchzp-bench`` run: ``report.md`` plus four PNG plots.
 
 Every figure in the report is read from results.json or computed from it in the open (ratios, medians, minima);
-nothing is estimated. Optional keys (repeats, network emulation, measured link bytes, exposed and busy
+a formula's figure (the volume table's predictions, stock ZeRO-3's host<->device bytes under offload) is labelled
+as one. Optional keys (repeats, network emulation, measured link bytes, exposed and busy
 communication time, timelines) are used when present and left out, with a note, when absent, so reports of older
 runs still render.
 
@@ -309,6 +310,13 @@ def _bytes_table(arms: dict) -> list[str]:
             f"by the sender, so `recv` is always 0). Collective calls per optimizer step: {calls}.", ""]
 
 
+def _offload(results: dict) -> list[str]:
+    """The offload arms' host memory and host<->device copies (`bench/offload.py`), where the run had any."""
+    from .offload import format_offload_table
+
+    return format_offload_table(results)
+
+
 def _volume(results: dict) -> list[str]:
     """ZeRO++'s volume table, where the run recorded flows and the planner has formulas for it (dense models)."""
     from .volume_table import format_volume_table
@@ -348,7 +356,8 @@ def _memory(arms: dict) -> list[str]:
             "(`ds_asynchzp.accounting.memory.model_state_bytes`); every role any arm has gets a column, 0 where an "
             "arm has none. param_primary / param_secondary / grad_primary: stock ZeRO-3 and hpZ partitions; "
             "param_shard / grad_shard: AsyncHZP's intra-node shards; master and optimizer_state: fp32 master weights "
-            "and Adam moments.", ""]
+            "and Adam moments (with optimizer offload on the host, with stock's grad_primary: see the offload "
+            "section).", ""]
 
 
 HOW_TO_READ = """## How to read this
@@ -529,7 +538,8 @@ def write_report(results: dict, out_dir: Path) -> Path:
     unavailable = [f"- **{arm}** was not run: {why}." for arm, why in (results.get("unavailable_arms") or {}).items()]
     lines = [title, "", *_provenance(env, config), *_workload(results), *(unavailable + [""] if unavailable else []),
              *_results_table(arms, stats, config),
-             *_bytes_table(arms), *_volume(results), *_parity(arms), *_layout(arms), *_memory(arms), "## Plots", "",
+             *_bytes_table(arms), *_volume(results), *_offload(results), *_parity(arms), *_layout(arms),
+             *_memory(arms), "## Plots", "",
              "![loss per optimizer step and relative difference vs zero3](loss.png)", "",
              "![bytes per optimizer step by collective kind](bytes.png)", "",
              "![time per optimizer step](step_time.png)", "",

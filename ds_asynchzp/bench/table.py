@@ -9,6 +9,7 @@ from __future__ import annotations
 import statistics
 
 from .model import HOST_OVERHEAD_PRESET
+from .offload import format_offload_table
 
 REFERENCE_ARM = "zero3"
 MB = 1e6  # decimal megabytes, stated in the legend
@@ -199,6 +200,8 @@ def format_table(results: dict) -> str:
     families = format_family_table(results)
     if families is not None:
         notes += ["", "Bytes by family (AutoEP):", "", families]
+    offload = format_offload_table(results)
     return "\n".join([*_markdown(rows), "", legend, *([""] + notes if notes else []), "",
                       "Layout and model-state memory per role (rank 0):", "",
-                      format_layout_memory_table(results), "", LAYOUT_LEGEND])
+                      format_layout_memory_table(results), "", LAYOUT_LEGEND,
+                      *(["", *offload[2:]] if offload else [])])

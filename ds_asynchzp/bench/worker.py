@@ -81,6 +81,32 @@ def _stock_scale_ops(ds_config: dict) -> tuple:
                                     ("zero_quantized_gradients", "all_to_all")) if zero.get(key))
 
 
+def _fp32_grad_bytes(engine) -> int:
+    """Bytes of the fp32 gradients the optimizer reads, the ``.grad`` of its fp32 master partitions (each storage
+    once): under offload, the host buffers the gradients are copied into."""
+    from ds_asynchzp.platform.deepspeed_internals import stage3_model_state_tensors
+
+    seen, total = set(), 0
+    for master in stage3_model_state_tensors(engine.optimizer, engine.module)["master"]:
+        grad = master.grad
+        if grad is None or grad.untyped_storage().data_ptr() in seen:
+            continue
+        seen.add(grad.untyped_storage().data_ptr())
+        total += grad.untyped_storage().nbytes()
+    return total
+
+
+def _check_host_optimizer(engine, ds_config: dict) -> str:
+    """The optimizer that steps the master weights; an offload arm must get DeepSpeed's host Adam."""
+    from .offload import offload_section
+
+    name = type(getattr(engine.optimizer, "optimizer", None)).__name__
+    if offload_section(ds_config) is not None and "CPUAdam" not in name:
+        raise RuntimeError(f"the arm offloads the optimizer, but the engine steps with {name}, not "
+                           "DeepSpeedCPUAdam; the arm would not measure what it claims to")
+    return name
+
+
 def _peak_rss_bytes() -> int:
     # Linux reports ru_maxrss in KiB.
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
@@ -182,6 +208,7 @@ def run_arm(payload: dict) -> dict:
     from ds_asynchzp.platform.deepspeed_internals import autoep_groups, install_cpu_zeropp_quantizer
 
     from .data import batch_for
+    from .offload import measured_host_bytes, offload_section
 
     deepspeed.init_distributed(dist_backend="gloo")
     ledger.install(payload["node_size"])
@@ -203,6 +230,7 @@ def run_arm(payload: dict) -> dict:
     # AutoEP's groups, so the ledger can tell expert and token traffic from dense traffic.
     ledger.get().set_expert_groups(*autoep_groups())
     optimizer_class = _check_optimizer(engine, payload["expected_optimizer"])
+    host_optimizer_class = _check_host_optimizer(engine, payload["ds_config"])
     layout, layout_text = _layout_of(engine, payload["ds_config"], world, payload["node_size"])
     phase_done("initialize_s")
 
@@ -250,6 +278,7 @@ def run_arm(payload: dict) -> dict:
                 # Measured before the last optimizer step: stock hpZ drops its secondary shards in the step,
                 # so afterwards its working memory would be under-counted.
                 model_states = model_state_bytes(engine)
+                fp32_grad_bytes = _fp32_grad_bytes(engine)
             with ledger.phase("step"):
                 engine.step()
             # .item() only syncs this rank's own computation; it is not a collective.
@@ -299,6 +328,8 @@ def run_arm(payload: dict) -> dict:
               "by_family": {name: {"intra_node": v["intra_node"] / steady_steps,
                                    "inter_node": v["inter_node"] / steady_steps}
                             for name, v in totals["by_family"].items()},
+              # Copies between device and host memory that AsyncHZP's offload notes (stock's are not noted).
+              "host_device": {d: v / steady_steps for d, v in totals["host_device"].items()},
               "by_flow": {name: {key: v[key] / steady_steps for key in
                                  ("intra_node", "inter_node", "intra_node_scales", "inter_node_scales")}
                           for name, v in totals["by_flow"].items()}}
@@ -313,6 +344,10 @@ def run_arm(payload: dict) -> dict:
         "steps": steps,
         "startup_s": phases,
         "model_state_bytes": model_states,
+        # Under optimizer offload: the model states on the host, by role (None without offload).
+        "host_state_bytes": (measured_host_bytes(model_states, fp32_grad_bytes)
+                             if offload_section(payload["ds_config"]) is not None else None),
+        "host_optimizer_class": host_optimizer_class,
         "layout": layout,
         "layout_text": layout_text,
         "families": _families(engine),
