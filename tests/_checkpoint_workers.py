@@ -1,8 +1,9 @@
 """Rank-side code of the checkpoint tests (run by ds_asynchzp.bench.launch in fresh processes).
 
-Three launches: `save_run` trains several layouts at one world size and saves each; `kill_run` dies in the
-middle of a save; `resume_run` loads at another world size and layout and keeps training. Every launch runs its
-cases one after another on the same ranks, since process start-up dominates the cost on a small machine.
+Three launches: `save_run` trains several layouts at one world size and saves each (and, where a case asks,
+resumes it at that size in a fresh engine); `kill_run` dies in the middle of a save; `resume_run` loads at
+another world size and layout and keeps training. Every launch runs its cases one after another on the same
+ranks, since process start-up dominates the cost on a small machine.
 
 Runs at different world sizes see the same samples: sample `j` of step `s` is window `s * GLOBAL_BATCH + j` of
 the corpus, and rank `r` takes samples `(a * world + r) * micro_batch + i` at micro-step `a`. With the same
@@ -46,6 +47,9 @@ def ds_config(case: dict) -> dict:
         "zero_optimization": zero,
         "steps_per_print": 10**9,
     }
+    if case.get("offload"):
+        # Optimizer states on the host, stepped by DeepSpeedCPUAdam (stock ZeRO-3's offload path too).
+        zero["offload_optimizer"] = {"device": "cpu"}
     if case.get("async_hzp") is not None:
         config["async_hzp"] = dict(case["async_hzp"], log_layout=False)
     if case.get("universal"):
@@ -151,9 +155,27 @@ def save_run(payload: dict) -> dict:
         assert max_diff(consolidated(engine), reference) == 0.0
         after = train(engine, case, payload["save_at"], payload["steps_after"])
         results[case["name"]] = {"losses_before": before, "losses_after": after, "scheduler_at_save": scheduler_at_save,
-                                 "files": sorted(os.listdir(directory)), "refused_16bit": refused_16bit}
+                                 "files": sorted(os.listdir(directory)), "refused_16bit": refused_16bit,
+                                 "host_optimizer": type(engine.optimizer.optimizer).__name__}
         engine.destroy()
+        if case.get("resume_same_size"):
+            results[case["name"]]["resumed"] = _resume_same_size(case, directory, f"step{payload['save_at']}",
+                                                                 reference, payload["save_at"], payload["steps_after"])
     return results
+
+
+def _resume_same_size(case: dict, directory: str, tag: str, reference: dict, save_at: int, steps: int) -> dict:
+    """A fresh engine (another initialisation, the frozen parameter zeroed) loads the tag directly, at the world
+    and layout it was saved at, and trains the steps the uninterrupted run trained after the save."""
+    engine = build_engine(case, seed=8)
+    _clobber_frozen(engine)
+    engine.load_checkpoint(directory, tag=tag)
+    result = {"global_steps": engine.global_steps, "scheduler_after_load": _scheduler_state(engine),
+              "max_param_diff": max_diff(consolidated(engine), reference),
+              "host_optimizer": type(engine.optimizer.optimizer).__name__}
+    result["losses_after"] = train(engine, case, save_at, steps)
+    engine.destroy()
+    return result
 
 
 # ----------------------------------------------------------------------------------------------------- kill
@@ -200,6 +222,7 @@ def resume_case(case: dict) -> dict:
         return result
     path, client_state = _load(engine, case)
     result["load_path"] = path
+    result["host_optimizer"] = type(engine.optimizer.optimizer).__name__
     result["global_steps"] = engine.global_steps
     result["scheduler_after_load"] = _scheduler_state(engine)
     if case.get("reference"):

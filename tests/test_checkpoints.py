@@ -2,8 +2,9 @@
 the previous checkpoint loadable, and broken or foreign checkpoints fail with a clear error.
 
 Three launches in all (rank-side code in tests/_checkpoint_workers.py): 8 ranks (2 nodes of 4) train and save
-three layouts; 4 ranks are killed in the middle of a save; 4 ranks (2 nodes of 2) resume every checkpoint under
-other layouts and compare with the 8-rank run, which trained on after saving (the uninterrupted reference).
+several layouts, with and without optimizer offload (and resume the offloaded one at that size); 4 ranks are
+killed in the middle of a save; 4 ranks (2 nodes of 2) resume every checkpoint under other layouts and compare
+with the 8-rank run, which trained on after saving (the uninterrupted reference).
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ SAVED = {
     "zero3": {"micro_batch": 2, "gas": 1},
     # A tiny random Mixtral under AutoEP (ep 2): experts laid out inside their expert-data-parallel group.
     "moe": {"micro_batch": 1, "gas": 2, "autoep_size": 2, "async_hzp": hzp(4, 4, 4, 8), "save_16bit": True},
+    # Optimizer states on the host (DeepSpeedCPUAdam), ours and stock's; ours is also resumed at this size.
+    "offload": {"micro_batch": 1, "gas": 2, "async_hzp": hzp(4, 2, 4, 8), "knobs": "defaults", "offload": True,
+                "save_16bit": True, "resume_same_size": True},
+    "zero3_offload": {"micro_batch": 2, "gas": 1, "offload": True},
 }
 # World 4 = 2 nodes x 2 ranks, the same global batch of 16: (saved case, how it loads, the resumed layout).
 RESUMED = {
@@ -52,6 +57,17 @@ RESUMED = {
     "zero3_to_p2_g2_o2": ("zero3", {"micro_batch": 1, "gas": 4, "async_hzp": hzp(2, 2, 2, 2)}),
     "p4_g4_o8_to_zero3": ("p4_g4_o8", {"micro_batch": 4, "gas": 1}),
     "moe_p4_g4_o8_to_p1_g2_o4": ("moe", {"micro_batch": 2, "gas": 2, "autoep_size": 2, "async_hzp": hzp(2, 1, 2, 4)}),
+    # Optimizer offload on either side of the resume: the host optimizer's states go through the same universal
+    # files as the device optimizer's (the frozen parameter is restored by the AsyncHZP engines only).
+    "offload_to_p2_g2_o4": ("offload", {"micro_batch": 1, "gas": 4, "async_hzp": hzp(2, 2, 2, 4),
+                                        "clobber_frozen": True}),
+    "p4_g4_o8_to_offload_p1_g2_o2": ("p4_g4_o8", {"micro_batch": 2, "gas": 2, "async_hzp": hzp(2, 1, 2, 2),
+                                                  "offload": True, "clobber_frozen": True}),
+    "offload_to_offload_p2_g2_o4": ("offload", {"micro_batch": 1, "gas": 4, "async_hzp": hzp(2, 2, 2, 4),
+                                                "offload": True, "clobber_frozen": True}),
+    "zero3_offload_to_offload_p1_g2_o4": ("zero3_offload", {"micro_batch": 2, "gas": 2, "async_hzp": hzp(2, 1, 2, 4),
+                                                            "offload": True, "clobber_frozen": True}),
+    "offload_to_zero3_offload": ("offload", {"micro_batch": 4, "gas": 1, "offload": True}),
 }
 DENSE_SAVED = [name for name, case in SAVED.items() if not case.get("autoep_size")]
 
@@ -134,6 +150,9 @@ def resumed(saved, killed, tmp_path_factory):
              reference=str(saved_root / "p4_g4_o8" / "reference.pt")),
         dict(base, name="no_optimizer_states", load_dir=str(saved_root / "p2_g4_o4"), load_optimizer_states=False,
              reference=str(saved_root / "p2_g4_o4" / "reference.pt")),
+        # The offloaded checkpoint's weights into an engine that offloads: the host master weights follow them.
+        dict(base, name="offload_no_optimizer_states", offload=True, load_dir=str(saved_root / "offload"),
+             load_optimizer_states=False, clobber_frozen=True, reference=str(saved_root / "offload" / "reference.pt")),
         dict(base, name="universal_module_only", universal=True, load_dir=str(saved_root / "p4_g4_o8"),
              load_module_only=True, clobber_frozen=True, reference=str(saved_root / "p4_g4_o8" / "reference.pt")),
         # The killed save's directory: `latest` still names the complete previous save. Same world and d_o, so
@@ -176,11 +195,12 @@ def test_first_optimizer_replica_writes_each_file_once(saved):
     assert not (root / "zero3" / TAG / "asynchzp_manifest.json").exists()
 
 
-def test_save_16bit_model_gives_the_consolidated_weights(saved):
+@pytest.mark.parametrize("name", [n for n in DENSE_SAVED if SAVED[n].get("save_16bit")])
+def test_save_16bit_model_gives_the_consolidated_weights(saved, name):
     root, _ = saved
-    reference = load_reference(root / "p4_g4_o8" / "reference.pt")
-    weights = load_reference(root / "p4_g4_o8" / "16bit" / "pytorch_model.bin")
-    assert os.listdir(root / "p4_g4_o8" / "16bit") == ["pytorch_model.bin"]  # the temporary name is gone
+    reference = load_reference(root / name / "reference.pt")
+    weights = load_reference(root / name / "16bit" / "pytorch_model.bin")
+    assert os.listdir(root / name / "16bit") == ["pytorch_model.bin"]  # the temporary name is gone
     assert set(weights) == set(reference) | {"lm_head.weight"}
     for key, value in reference.items():
         assert (weights[key].float() == value).all(), key
@@ -216,10 +236,13 @@ def test_moe_checkpoint_converts_to_the_consolidated_weights(saved):
 def test_resume_at_another_size_and_layout(saved, resumed, name):
     _, saved_results = saved
     results, _ = resumed
-    source = RESUMED[name][0]
+    source, case = RESUMED[name]
     reference = saved_results[0][source]["losses_after"]
+    # Each side stepped with the optimizer its config asks for: DeepSpeedCPUAdam exactly where it offloads.
+    assert (saved_results[0][source]["host_optimizer"] == "DeepSpeedCPUAdam") == bool(SAVED[source].get("offload"))
     for rank_result in results:
         got = rank_result[name]
+        assert (got["host_optimizer"] == "DeepSpeedCPUAdam") == bool(case.get("offload")), got["host_optimizer"]
         assert got["global_steps"] == SAVE_AT
         assert got["scheduler_after_load"] == saved_results[0][source]["scheduler_at_save"]
         # The fp32 master weights and (where clobbered before the load) the frozen parameter: exactly as saved.
@@ -228,6 +251,23 @@ def test_resume_at_another_size_and_layout(saved, resumed, name):
         if rank_result["rank"] == 0:
             print(f"{name}: max relative loss difference {worst:.2e} over {STEPS_AFTER} steps")
         assert len(got["losses_after"]) == STEPS_AFTER and worst <= LOSS_RTOL, (got["losses_after"], reference)
+
+
+def test_offloaded_run_resumes_at_the_same_size(saved):
+    """Saved with optimizer offload, loaded directly by a fresh engine at the same world and layout: the host
+    master weights, Adam moments and step come back exactly. The losses after it agree with the run that never
+    stopped to a relative 1e-6, not bit for bit, as under stock ZeRO-3 with offload: DeepSpeedCPUAdam keeps
+    beta^t between steps by multiplying, and a fresh one handed the loaded step computes it with pow(), which
+    differs in the last bit (measured 1.6e-7 relative by the second step after the resume)."""
+    _, saved_results = saved
+    for rank_result in saved_results:
+        uninterrupted, got = rank_result["offload"], rank_result["offload"]["resumed"]
+        assert got["host_optimizer"] == uninterrupted["host_optimizer"] == "DeepSpeedCPUAdam"
+        assert got["global_steps"] == SAVE_AT
+        assert got["scheduler_after_load"] == uninterrupted["scheduler_at_save"]
+        assert got["max_param_diff"] == 0.0  # the frozen parameter (zeroed before the load) included
+        assert got["losses_after"][0] == uninterrupted["losses_after"][0], "the first step after it is exact"
+        assert got["losses_after"] == pytest.approx(uninterrupted["losses_after"], rel=1e-6)
 
 
 def test_weights_only_loads_at_another_size(saved, resumed):
@@ -239,10 +279,11 @@ def test_weights_only_loads_at_another_size(saved, resumed):
             assert rank_result[name]["max_param_diff"] == 0.0, name
             assert rank_result[name]["global_steps"] == 0, name
         # Without optimizer states: weights as saved, and the step counter and scheduler come back.
-        got = rank_result["no_optimizer_states"]
-        assert got["max_param_diff"] == 0.0
-        assert got["global_steps"] == SAVE_AT
-        assert got["scheduler_after_load"] == saved_results[0]["p2_g4_o4"]["scheduler_at_save"]
+        for name, source in (("no_optimizer_states", "p2_g4_o4"), ("offload_no_optimizer_states", "offload")):
+            got = rank_result[name]
+            assert got["max_param_diff"] == 0.0, name  # the host master weights included, where offloaded
+            assert got["global_steps"] == SAVE_AT, name
+            assert got["scheduler_after_load"] == saved_results[0][source]["scheduler_at_save"], name
 
 
 # ------------------------------------------------------------------------------------------------- atomicity

@@ -18,7 +18,11 @@ universal conversion (`ds_to_universal`) and stock ZeRO-3 read it. What this mod
 * **Weights-only loads at any size.** `load_module_only=True` or `load_optimizer_states=False` read the
   consolidated fp32 weights of the requested tag, at any world size and layout. A full resume at another size
   or d_o goes through a universal checkpoint, whose frozen parameters are restored too (DeepSpeed restores only
-  the optimizer's). docs/checkpoints.md has the whole story.
+  the optimizer's).
+* **Optimizer offload.** Stage 3 saves and loads the host optimizer's states (DeepSpeedCPUAdam's) as the device
+  optimizer's, in the same files, as stock does.
+
+docs/checkpoints.md has the whole story.
 """
 
 from __future__ import annotations
