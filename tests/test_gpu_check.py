@@ -61,6 +61,9 @@ def test_the_training_checks_fail_on_what_they_must_catch():
     checks = _by_name(cli._training_checks(good, {}, [], 2, "nccl"))
     assert all(check["passed"] is not False for check in checks.values()), checks
     assert checks["CUDA sanitizer"]["passed"] and checks["losses equal stock ZeRO-3"]["passed"]
+    with_offload = dict(good, **{"zero3-offload": _ranks([2.0, 1.4]), "offload": _ranks([2.0, 1.4])})
+    assert _by_name(cli._training_checks(with_offload, {}, [], 2, "nccl"))[
+        "offload losses equal stock ZeRO-3 offload"]["passed"]
 
     # A race changes a loss; memory grows; the sanitizer reports; an arm fails to run.
     racy = dict(good, **{"async": _ranks([2.0, 1.5001], reserved=(100, 120), retries=(0, 3))})
@@ -69,6 +72,10 @@ def test_the_training_checks_fail_on_what_they_must_catch():
     assert checks["losses equal stock ZeRO-3"]["passed"] is False
     assert checks["memory flat after warm-up"]["passed"] is False
     assert checks["CUDA sanitizer"]["passed"] is False and checks["training arms ran"]["passed"] is False
+    drifting = dict(with_offload, offload=_ranks([2.0, 1.4001], reserved=(100, 140)))
+    checks = _by_name(cli._training_checks(drifting, {}, [], 2, "nccl"))
+    assert checks["offload losses equal stock ZeRO-3 offload"]["passed"] is False
+    assert checks["memory flat after warm-up (offload)"]["passed"] is False
 
 
 def test_a_cpu_dry_run_runs_every_part_that_needs_no_gpu(tmp_path, deepspeed_cpu_ops, capsys):
@@ -81,8 +88,10 @@ def test_a_cpu_dry_run_runs_every_part_that_needs_no_gpu(tmp_path, deepspeed_cpu
     assert checks["ops against reference"]["passed"], checks["ops against reference"]
     assert checks["threads and sleeps change no loss"]["passed"]
     assert checks["losses equal stock ZeRO-3"]["passed"]
+    assert checks["offload losses equal stock ZeRO-3 offload"]["passed"]   # DeepSpeedCPUAdam on both sides
     assert "CUDA sanitizer" not in checks and "memory flat after warm-up" not in checks   # CUDA only
-    assert {row["arm"] for row in checks["communication"]["details"]["rows"]} == {"zero3", "sync", "async"}
+    assert {row["arm"] for row in checks["communication"]["details"]["rows"]} == {
+        "zero3", "sync", "async", "zero3-offload", "offload"}
 
 
 def test_an_arm_that_fails_or_times_out_keeps_the_others_results(tmp_path, monkeypatch):
@@ -101,7 +110,7 @@ def test_an_arm_that_fails_or_times_out_keeps_the_others_results(tmp_path, monke
 
     monkeypatch.setattr(launch, "launch_local", fake_launch)
     args = cli.argparse.Namespace(ranks=2, model="tiny", grad_accum=1, micro_batch=1, warmup=1, steps=2, seq_len=8,
-                                  sleep_cycles=0, sanitizer=True, sanitizer_steps=1, arm_timeout=1.0)
+                                  sleep_cycles=0, sanitizer=True, sanitizer_steps=1, arm_timeout=1.0, offload=False)
     checks = _by_name(cli.run_training(args, cuda=False, work=tmp_path))
     ran = checks["training arms ran"]
     assert ran["passed"] is False and "sync:" in ran["summary"] and "async:" in ran["summary"]

@@ -11,7 +11,11 @@
    `TORCH_CUDA_SANITIZER=1` must report no unsynchronised access. Two or more GPUs: NCCL, one rank per GPU,
    two ranks per node. One GPU: ranks that share it over gloo with CUDA tensors, as far as gloo supports them.
 3. **Memory**: reserved memory and the allocator's retries flat over the measured steps after warm-up.
-4. **Communication**: per step, busy time of each communication thread from CUDA events on its stream, and
+4. **Optimizer offload** (`offload_optimizer: cpu`, pinned host memory, DeepSpeedCPUAdam): AsyncHZP with its
+   threads and sleeps, whose boundary copies each summed chunk to the host on a stream of its own and refreshes
+   each stepped sub-group while the host steps the next, must train to stock ZeRO-3 with the same offload
+   (relative 1e-6, fp32). `--skip-offload` leaves it out.
+5. **Communication**: per step, busy time of each communication thread from CUDA events on its stream, and
    step times (CUDA events) of the three arms.
 
 The report (`gpu-check-<date>-<device>.json` and `.md`, with the date, the commit and the device) goes to
@@ -95,6 +99,9 @@ def bench_ops(device, sizes: List[str]) -> Dict:
 
 
 # ------------------------------------------------------------------------------------------- training
+OFFLOAD_ARMS = ("zero3-offload", "offload")
+
+
 def _ds_config(arm: str, node_size: int, grad_accum: int, micro_batch: int) -> Dict:
     config = {
         "train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": grad_accum,
@@ -104,13 +111,34 @@ def _ds_config(arm: str, node_size: int, grad_accum: int, micro_batch: int) -> D
         "timers": {"throughput": {"enabled": True, "synchronized": False}},
         "steps_per_print": 10**9,
     }
-    if arm != "zero3":
+    if arm in OFFLOAD_ARMS:
+        # Host master weights stepped by DeepSpeedCPUAdam (DeepSpeed's choice with offload), in pinned memory; a
+        # few sub-groups, so that the refresh of one overlaps the host step of the next.
+        config["optimizer"]["params"].pop("torch_adam")
+        config["zero_optimization"].update(offload_optimizer={"device": "cpu", "pin_memory": True},
+                                           sub_group_size=OFFLOAD_SUB_GROUP)
+    if arm not in ("zero3", "zero3-offload"):
         config["async_hzp"] = {"node_size": node_size, "async_comm": arm != "sync", "log_layout": False}
     return config
 
 
-def _arms(sanitizer: bool) -> List[str]:
-    return ["zero3", "sync", "async"] + (["sanitized"] if sanitizer else [])
+# Elements per optimizer sub-group in the offload arms (DeepSpeed's default, 1e9, makes one of any small model).
+OFFLOAD_SUB_GROUP = 2_000_000
+
+
+def _arms(sanitizer: bool, offload: bool = True) -> List[str]:
+    return ["zero3", "sync", "async"] + (list(OFFLOAD_ARMS) if offload else []) + (["sanitized"] if sanitizer else [])
+
+
+def _build_host_adam() -> None:
+    """DeepSpeedCPUAdam's op, built (or loaded from the cache) here, before the offload arms' ranks start: a first
+    build takes a minute, which would count against an arm's time limit."""
+    from deepspeed.accelerator import get_accelerator
+
+    started = time.monotonic()
+    _progress("building DeepSpeedCPUAdam's op for the offload arms (cached afterwards) ...")
+    get_accelerator().create_op_builder("CPUAdamBuilder").load()
+    _progress(f"DeepSpeedCPUAdam's op ready ({time.monotonic() - started:.0f} s)")
 
 
 def run_training(args, cuda: bool, work: Path) -> List[Dict]:
@@ -125,12 +153,15 @@ def run_training(args, cuda: bool, work: Path) -> List[Dict]:
     node_size = 2 if world % 2 == 0 and world > 2 else world
     base_env = {"DS_ACCELERATOR": "cuda" if cuda else "cpu"}
     results, failures, failure_tails, sanitizer_reports = {}, {}, {}, None
-    for arm in _arms(args.sanitizer and cuda):
+    arms = _arms(args.sanitizer and cuda, offload=args.offload)
+    if args.offload:
+        _build_host_adam()
+    for arm in arms:
         payload = {"backend": backend, "model": args.model, "seed": 7, "ds_config":
                    _ds_config("async" if arm == "sanitized" else arm, node_size, args.grad_accum, args.micro_batch),
                    "warmup_steps": args.warmup, "steps": args.sanitizer_steps if arm == "sanitized" else args.steps,
                    "grad_accum": args.grad_accum, "micro_batch": args.micro_batch, "seq_len": args.seq_len,
-                   "sleep_cycles": args.sleep_cycles if arm in ("async", "sanitized") else 0}
+                   "sleep_cycles": args.sleep_cycles if arm in ("async", "sanitized", "offload") else 0}
         env = dict(base_env, **({"TORCH_CUDA_SANITIZER": "1"} if arm == "sanitized" else {}))
         logs = work / arm
         _progress(f"training arm '{arm}': {world} rank(s) over {backend}, {args.warmup}+{payload['steps']} steps")
@@ -182,19 +213,28 @@ def _training_checks(results: Dict, failures: Dict, sanitizer_reports: Optional[
         checks.append({"name": "losses equal stock ZeRO-3", "passed": rel <= LOSS_RTOL,
                        "summary": f"{setup}, fp32: max relative difference {rel:.3g} (bound {LOSS_RTOL:g})",
                        "details": {}})
+    if "offload" in losses and "zero3-offload" in losses:
+        rel = _rel(losses["offload"], losses["zero3-offload"])
+        checks.append({"name": "offload losses equal stock ZeRO-3 offload", "passed": rel <= LOSS_RTOL,
+                       "summary": f"{setup}, fp32, offload_optimizer cpu (pinned, DeepSpeedCPUAdam), AsyncHZP with "
+                                  f"its threads and sleeps: max relative difference {rel:.3g} (bound {LOSS_RTOL:g})",
+                       "details": {"rows": [{"step": i, "asynchzp": a, "zero3": z} for i, (a, z) in
+                                            enumerate(zip(losses["offload"], losses["zero3-offload"]))]}})
     if sanitizer_reports is not None:
         checks.append({"name": "CUDA sanitizer", "passed": not sanitizer_reports and "sanitized" not in failures,
                        "summary": "TORCH_CUDA_SANITIZER=1: " + (f"reports in {', '.join(sanitizer_reports)}"
                                                                  if sanitizer_reports
                                                                  else "no unsynchronised access reported"),
                        "details": {}})
-    ranks = results.get("async") or []
-    memory = [r["memory"] for r in ranks if r.get("memory")]
-    if memory:
+    for arm, name in (("async", "memory flat after warm-up"), ("offload", "memory flat after warm-up (offload)")):
+        memory = [r["memory"] for r in results.get(arm) or [] if r.get("memory")]
+        if not memory:
+            continue
         flat = all(m["end"]["reserved"] == m["after_warmup"]["reserved"]
                    and m["end"]["alloc_retries"] == m["after_warmup"]["alloc_retries"] for m in memory)
-        checks.append({"name": "memory flat after warm-up", "passed": flat,
-                       "summary": "reserved bytes and allocation retries per rank, after warm-up and at the end: "
+        checks.append({"name": name, "passed": flat,
+                       "summary": f"arm {arm}: reserved bytes and allocation retries per rank, after warm-up and at "
+                                  "the end: "
                                   + "; ".join(f"rank {i}: {m['after_warmup']['reserved'] / 2**20:.0f} -> "
                                               f"{m['end']['reserved'] / 2**20:.0f} MiB, retries "
                                               f"{m['after_warmup']['alloc_retries']} -> {m['end']['alloc_retries']}"
@@ -260,6 +300,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--sizes", default="1M,64M", help="op sizes for the bandwidth table")
     parser.add_argument("--no-sanitizer", dest="sanitizer", action="store_false")
     parser.add_argument("--skip-ops", action="store_true", help="training checks only (the ops checked elsewhere)")
+    parser.add_argument("--skip-offload", dest="offload", action="store_false",
+                        help="leave out the optimizer-offload arms")
     parser.add_argument("--sanitizer-steps", type=int, default=3, help="steps under the sanitizer (slow)")
     parser.add_argument("--arm-timeout", type=float, default=240.0, help="seconds per training arm")
     # Runs every part that can run without CUDA, on CPU ranks, to test the command itself.
