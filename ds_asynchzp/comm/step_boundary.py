@@ -132,6 +132,10 @@ class StepBoundary:
             cached = self._chunk_cache[id(buffer)] = (buffer, _Chunks(buffer, elements))
         return cached[1]
 
+    def widest_chunk(self, buffer: ShardedBuffer) -> int:
+        """Columns of the buffer's widest chunk: what one chunk job of it holds at once, per row."""
+        return max((end - start for start, end in self._chunks(buffer).ranges), default=0)
+
     # ------------------------------------------------------------------------------- gradients
     def _start_window(self, grads: GradShards) -> None:
         self._grad_chunks = self._chunks(grads.buffer)

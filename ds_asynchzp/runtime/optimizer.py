@@ -58,6 +58,7 @@ from ..platform.deepspeed_internals import (STAGE3_AVG_SCATTER_CONTIGUOUS_GRADS,
                                   rehome_stage3_grad_partitions, rehome_stage3_param_flats, repartition,
                                   restore_param_hooks, stage3_bucket_params, stage3_persistent_parameters,
                                   stage3_prefetches, stage3_side_stream, stage3_sub_groups)
+from . import buffer_bytes
 from .gradient_readers import GradientReaders
 from .host_offload import HostOffload
 from .placement import Family, families_of
@@ -350,12 +351,11 @@ class HierarchicalZeroOptimizer(GradientReaders, DeepSpeedZeroOptimizer_Stage3):
 
     def hzp_buffer_allocations(self) -> dict:
         """Buffers the communication path has allocated so far, by pool (constant once warmed up)."""
-        trainable = self._hzp_trainable_placements()
-        return {"gathered_params": self.hzp_pool.allocations,
-                "grad_staging": sum(p.reduce.staging.allocations for p in trainable),
-                "gather_scratch": self.hzp_gather.scratch.get("allocations", 0),
-                "reduce_scratch": sum(p.reduce.scratch.get("allocations", 0) for p in trainable),
-                "boundary_scratch": sum(p.boundary.scratch.get("allocations", 0) for p in self.hzp_placements)}
+        return buffer_bytes.buffer_allocations(self)
+
+    def hzp_buffer_bytes(self) -> dict:
+        """Bytes per rank of the package's own buffers beyond the model states, by kind (`buffer_bytes.KINDS`)."""
+        return buffer_bytes.buffer_bytes(self)
 
     def hzp_new_micro_step(self) -> None:
         """The engine's forward starts a micro-step: the prefetch replays the recorded fetch order."""

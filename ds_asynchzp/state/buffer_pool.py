@@ -9,6 +9,10 @@ weight (an autograd-saved `weight.t()`) must not be overwritten by another param
 given back on the training thread, in program order (the gather job only fills them), so the pool's growth
 does not depend on thread timing.
 
+The pool never frees a buffer before `clear`: it keeps one per distinct size (and per concurrent use of that
+size) for the whole run. `owned_bytes`, `in_use_bytes` and `peak_in_use_bytes` say what that costs, next to the
+model states (`HierarchicalZeroOptimizer.hzp_buffer_bytes`).
+
 On a device with streams, the releaser hands in events recorded where the buffer's last readers ran (compute,
 for a published parameter), at release; `acquire` returns them, and the stream that writes the buffer next
 waits on them. The pool owns its memory, so `record_stream` would order nothing here. A buffer that was still
@@ -37,6 +41,10 @@ def _storage_users(tensor: torch.Tensor) -> int:
     return int(_STORAGE_USE_COUNT(tensor.untyped_storage()._cdata)) - 2
 
 
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
 def _key(numel: int, dtype: torch.dtype, device) -> tuple:
     # The device by its name ("cpu", "cuda:0"), without building a torch.device first: this runs for every parameter
     # of every gather and release.
@@ -49,6 +57,16 @@ class BufferPool:
         self._free: Dict[Tuple[int, torch.dtype, str], List[tuple]] = {}
         self._lock = threading.Lock()
         self.allocations = 0
+        # Bytes of every buffer the pool allocated and still holds; of those handed out and not yet given back;
+        # the most ever handed out at once (what the run needed, against what the pool kept).
+        self.owned_bytes = 0
+        self.in_use_bytes = 0
+        self.peak_in_use_bytes = 0
+
+    def _handed_out(self, nbytes: int) -> None:
+        # Under the lock: gathers on the training thread and a report read from another thread see whole updates.
+        self.in_use_bytes += nbytes
+        self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
 
     def acquire(self, numel: int, dtype: torch.dtype, device, readers_stream=None) -> Tuple[torch.Tensor, list]:
         """A free buffer and the events its next writer waits on. `readers_stream`: where readers of a buffer
@@ -59,6 +77,7 @@ class BufferPool:
             for i, (buffer, events, referenced) in enumerate(candidates):
                 if _storage_users(buffer) == 0:
                     del candidates[i]
+                    self._handed_out(_nbytes(buffer))
                     break
             else:
                 buffer = None
@@ -66,11 +85,14 @@ class BufferPool:
             if referenced:
                 events = events + [streams.record(readers_stream)]
             return buffer, events
-        self.allocations += 1
         # A new block comes from the caching allocator of the current stream, which hands out memory freed on
         # that stream at once, while kernels of its previous owner may still be queued there: the writer (another
         # stream) waits for them.
         buffer = torch.empty(numel, dtype=dtype, device=device)
+        with self._lock:
+            self.allocations += 1
+            self.owned_bytes += _nbytes(buffer)
+            self._handed_out(_nbytes(buffer))
         return buffer, [streams.record()]
 
     def release(self, buffer: torch.Tensor, events: Sequence = ()) -> None:
@@ -79,9 +101,12 @@ class BufferPool:
         entry = (buffer, [e for e in events if e is not None], _storage_users(buffer) > 0)
         with self._lock:
             self._free.setdefault(key, []).append(entry)
+            self.in_use_bytes -= _nbytes(buffer)
 
     def clear(self) -> None:
+        """Drop the free buffers (teardown); those still handed out stay counted as owned and in use."""
         with self._lock:
+            self.owned_bytes -= sum(_nbytes(entry[0]) for entries in self._free.values() for entry in entries)
             self._free.clear()
 
 
@@ -114,6 +139,23 @@ class StagingRing:
             self._jobs[index] = None
             job.wait()
         return index, self._buffers[index].narrow(0, 0, numel)
+
+    @property
+    def slots(self) -> int:
+        return len(self._buffers)
+
+    @property
+    def capacity(self) -> int:
+        """Elements of each slot (0 before the first bucket)."""
+        return self._buffers[0].numel() if self._buffers[0] is not None else 0
+
+    @property
+    def element_size(self) -> int:
+        return self._buffers[0].element_size() if self._buffers[0] is not None else 0
+
+    def nbytes(self) -> int:
+        """Bytes of every slot: they all exist from the first bucket on, whether in flight or not."""
+        return sum(_nbytes(b) for b in self._buffers if b is not None)
 
     def hold(self, index: int, job) -> None:
         self._jobs[index] = job

@@ -1,0 +1,70 @@
+"""Memory the package's own buffers take per rank, beyond the model states, by kind
+(docs/ARCHITECTURE.md, "Memory beyond model states").
+
+The model states (parameter and gradient shards, master weights, optimizer states) are measured by
+`accounting.memory`; these are the buffers the communication path adds to them. Each is read from the object
+that owns it, so the figure is what the run holds, not a formula.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+
+# Kinds in the order reports show them. The pool's "in use" and "peak in use" are parts of what it owns, so the
+# total counts the pool once (`HELD`).
+KINDS = ("gathered_params_owned", "gathered_params_in_use", "gathered_params_peak_in_use", "grad_staging",
+         "gather_scratch", "reduce_scratch", "boundary_scratch", "error_feedback", "host_copy_staging")
+HELD = ("gathered_params_owned", "grad_staging", "gather_scratch", "reduce_scratch", "boundary_scratch",
+        "error_feedback", "host_copy_staging")
+
+
+def _scratch_bytes(pool: dict) -> int:
+    # A scratch dict (`comm.collectives.scratch`) holds its buffers under (key, dtype) and a count under
+    # "allocations"; its flow's thread may grow it meanwhile, so it is read from a copy.
+    return sum(t.numel() * t.element_size() for t in list(pool.values()) if isinstance(t, torch.Tensor))
+
+
+def _host_copy_staging(optimizer) -> int:
+    """With optimizer offload, the largest fp32 temporary of a chunk's copy to the host (`comm.host_copy`: the own
+    columns cast on the device before the copy): at most the widest gradient chunk's columns x 4 bytes. A gradient
+    shard already in fp32 is copied as it is, with no temporary."""
+    if optimizer.hzp_offload is None:
+        return 0
+    widest = [p.boundary.widest_chunk(p.grads.buffer) for p in optimizer._hzp_trainable_placements()
+              if p.grads.buffer.data.dtype != torch.float32]
+    return max(widest, default=0) * 4
+
+
+def buffer_bytes(optimizer) -> Dict[str, int]:
+    """Bytes per kind (`KINDS`) on this rank, and their "total" (`HELD`)."""
+    trainable = optimizer._hzp_trainable_placements()
+    pool = optimizer.hzp_pool
+    out = {"gathered_params_owned": pool.owned_bytes, "gathered_params_in_use": pool.in_use_bytes,
+           "gathered_params_peak_in_use": pool.peak_in_use_bytes,
+           "grad_staging": sum(p.reduce.staging.nbytes() for p in trainable),
+           "gather_scratch": _scratch_bytes(optimizer.hzp_gather.scratch),
+           "reduce_scratch": sum(_scratch_bytes(p.reduce.scratch) for p in trainable),
+           "boundary_scratch": sum(_scratch_bytes(p.boundary.scratch) for p in optimizer.hzp_placements),
+           "error_feedback": sum(p.error_feedback.nbytes() for p in optimizer.hzp_placements
+                                 if p.error_feedback is not None),
+           "host_copy_staging": _host_copy_staging(optimizer)}
+    out["total"] = sum(out[kind] for kind in HELD)
+    return out
+
+
+def staging_rings(optimizer) -> List[Dict[str, int]]:
+    """Per family with gradients: its staging ring's slots, elements per slot and element size."""
+    return [{"slots": ring.slots, "capacity": ring.capacity, "element_size": ring.element_size}
+            for ring in (p.reduce.staging for p in optimizer._hzp_trainable_placements())]
+
+
+def buffer_allocations(optimizer) -> Dict[str, int]:
+    """Buffers the communication path has allocated so far, by pool (constant once warmed up)."""
+    trainable = optimizer._hzp_trainable_placements()
+    return {"gathered_params": optimizer.hzp_pool.allocations,
+            "grad_staging": sum(p.reduce.staging.allocations for p in trainable),
+            "gather_scratch": optimizer.hzp_gather.scratch.get("allocations", 0),
+            "reduce_scratch": sum(p.reduce.scratch.get("allocations", 0) for p in trainable),
+            "boundary_scratch": sum(p.boundary.scratch.get("allocations", 0) for p in optimizer.hzp_placements)}
