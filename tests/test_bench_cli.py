@@ -410,6 +410,16 @@ def test_small_run_matches_zero3_with_less_inter_node_traffic(tmp_path, capsys):
     assert "| asynchzp" in summary and "inter ratio vs zero3" in summary
     assert "2/2/4" in summary and "master MB" in summary  # asynchzp's d_p/d_g/d_o and memory per role
 
+    # AsyncHZP's own buffers beyond the model states (rank 0, at the end of the measured steps); stock has none.
+    buffers, rings = hzp["package_buffer_bytes"], hzp["staging_rings"]
+    assert zero3["package_buffer_bytes"] is None and buffers["total"] > 0
+    assert [r["slots"] for r in rings] == [4] and rings[0]["capacity"] > 0
+    assert buffers["grad_staging"] == sum(r["slots"] * r["capacity"] * r["element_size"] for r in rings)
+    assert 0 < buffers["gathered_params_peak_in_use"] <= buffers["gathered_params_owned"]
+    assert len(hzp["package_buffer_bytes_total_by_rank"]) == 4
+    if (tmp_path / "report.md").exists():   # the report needs matplotlib
+        assert "## Package buffers per rank" in (tmp_path / "report.md").read_text()
+
 
 def test_node_link_counters_and_repeats():
     """Link counters come from one reader per node; repeats keep the first run's bytes and add min/median timings."""

@@ -415,3 +415,34 @@ def test_offload_section_shows_measured_copies_next_to_the_formula(tmp_path):
     # Without offload arms, no section.
     del arms["zero3-offload"], arms["asynchzp-offload"]
     assert "## Optimizer offload" not in report.write_report(results, tmp_path).read_text(encoding="utf-8")
+
+
+def test_package_buffers_table_shows_each_kind_its_total_and_the_model_states(tmp_path):
+    results = synthetic_results(optional=False)
+    buffers = {"gathered_params_owned": 4_000_000, "gathered_params_in_use": 500_000,
+               "gathered_params_peak_in_use": 3_000_000, "grad_staging": 2_000_000, "gather_scratch": 1_500_000,
+               "reduce_scratch": 250_000, "boundary_scratch": 125_000, "error_feedback": 1_000_000,
+               "host_copy_staging": 0}
+    buffers["total"] = sum(v for k, v in buffers.items() if "in_use" not in k)          # 8.875 MB
+    ours = results["arms"]["asynchzp"]
+    ours["package_buffer_bytes"] = buffers
+    ours["package_buffer_bytes_total_by_rank"] = [buffers["total"], buffers["total"] + 125_000]
+    # The residual is a model-state role too: the table counts it among the buffers, not twice.
+    ours["model_state_bytes"] = dict(ours["model_state_bytes"], error_feedback=1_000_000,
+                                     total=ours["model_state_bytes"]["total"] + 1_000_000)
+    text = report.write_report(results, tmp_path).read_text(encoding="utf-8")
+    rows = section_rows(text, "Package buffers per rank")
+    assert list(rows) == ["asynchzp"]                 # stock arms record none
+    row = rows["asynchzp"]
+    assert row["gather pool owned MB"] == "4.000" and row["pool peak in use MB"] == "3.000"
+    assert row["pool in use MB"] == "0.500" and row["grad staging ring MB"] == "2.000"
+    assert (row["gather scratch MB"], row["reduce scratch MB"], row["boundary scratch MB"]) == (
+        "1.500", "0.250", "0.125")
+    assert row["error feedback MB"] == "1.000" and row["host-copy fp32 MB"] == "0.000"
+    assert row["total MB"] == "8.875" and row["total, largest rank MB"] == "9.000"
+    assert row["model states MB"] == "5.500" and row["buffers / model states"] == f"{8.875 / 5.5:.3f}"
+    section = text.split("## Package buffers per rank", 1)[1].split("\n## ", 1)[0]
+    assert "one per distinct parameter size" in section and "Not shown: zero3, hpz" in section
+    # Results that predate the figure: no section.
+    del ours["package_buffer_bytes"]
+    assert "## Package buffers" not in report.write_report(results, tmp_path).read_text(encoding="utf-8")

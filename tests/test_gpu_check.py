@@ -119,3 +119,28 @@ def test_an_arm_that_fails_or_times_out_keeps_the_others_results(tmp_path, monke
     assert {row["arm"] for row in checks["communication"]["details"]["rows"]} == {"zero3"}
     text = render_markdown(_result(list(checks.values())))
     assert "ValueError: boom" in text
+
+
+def test_the_report_shows_the_asynchzp_arms_package_buffers(tmp_path):
+    buffers = {"gathered_params_owned": 3 * 2**20, "gathered_params_in_use": 0,
+               "gathered_params_peak_in_use": 2 * 2**20, "grad_staging": 4 * 2**20, "gather_scratch": 2**20,
+               "reduce_scratch": 2**19, "boundary_scratch": 2**19, "error_feedback": 0, "host_copy_staging": 2**20,
+               "total": 10 * 2**20}
+    ours = [dict(r, package_buffer_bytes=buffers, model_state_bytes=40 * 2**20,
+                 memory=dict(r["memory"], max_allocated=100 * 2**20)) for r in _ranks([2.0, 1.5])]
+    results = {"zero3": _ranks([2.0, 1.5]), "sync": ours, "async": ours}
+    check = _by_name(cli._training_checks(results, {}, None, 2, "nccl"))["package buffers per rank"]
+    assert check["passed"] is None and check["measured"]
+    assert [row["arm"] for row in check["details"]["rows"]] == ["sync", "async"]    # stock records none
+    text = render_markdown(_result([check]))
+    assert "| package buffers per rank | measured |" in text
+    table = text.split("## package buffers per rank", 1)[1]
+    header = [c.strip() for c in table.strip().splitlines()[0].strip("|").split("|")]
+    cells = [c.strip() for c in table.strip().splitlines()[2].strip("|").split("|")]
+    row = dict(zip(header, cells))
+    assert row["arm"] == "sync" and row["gather pool owned MiB"] == "3" and row["grad staging ring MiB"] == "4"
+    assert row["host-copy fp32 MiB"] == "1" and row["total MiB"] == "10"
+    assert row["model states MiB"] == "40" and row["max allocated MiB"] == "100"
+    assert "one per distinct parameter size" in table
+    assert "package buffers per rank" not in _by_name(cli._training_checks({"zero3": _ranks([2.0])}, {}, None, 2,
+                                                                            "nccl"))

@@ -142,6 +142,12 @@ def aggregate_arm(rank_results: list, warmup: int, tokens_per_step: int) -> dict
         "timeline_step": by_rank[0].get("timeline_step"),
         "timeline_rank": by_rank[0]["rank"],
         "buffer_allocations": by_rank[0].get("buffer_allocations"),
+        # AsyncHZP's own buffers beyond model states, by kind: rank 0's, and each rank's total (they differ where
+        # ranks hold different shares, e.g. AutoEP's experts); None for stock arms and older workers.
+        "package_buffer_bytes": by_rank[0].get("package_buffer_bytes"),
+        "package_buffer_bytes_total_by_rank": (None if any(r.get("package_buffer_bytes") is None for r in by_rank)
+                                               else [r["package_buffer_bytes"]["total"] for r in by_rank]),
+        "staging_rings": by_rank[0].get("staging_rings"),
         # Whole job (all ranks); the per-rank figure is below.
         "tokens_per_s": tokens_per_step / median_step if median_step > 0 else None,
         "tokens_per_s_per_rank_this_repeat": tokens_per_step / n_ranks / median_step if median_step > 0 else None,

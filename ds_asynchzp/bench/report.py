@@ -18,6 +18,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from .buffer_table import format_buffer_table
 from .timeline_plot import plot_timelines
 from .table import (HOST_COLUMNS, LAYOUT_LEGEND, MB, REFERENCE_ARM, host_cells, host_legend, layout_cells,
                     max_rel_loss_diff, memory_roles, role_bytes, shows_host_overhead)
@@ -539,7 +540,7 @@ def write_report(results: dict, out_dir: Path) -> Path:
     lines = [title, "", *_provenance(env, config), *_workload(results), *(unavailable + [""] if unavailable else []),
              *_results_table(arms, stats, config),
              *_bytes_table(arms), *_volume(results), *_offload(results), *_parity(arms), *_layout(arms),
-             *_memory(arms), "## Plots", "",
+             *_memory(arms), *format_buffer_table(arms), "## Plots", "",
              "![loss per optimizer step and relative difference vs zero3](loss.png)", "",
              "![bytes per optimizer step by collective kind](bytes.png)", "",
              "![time per optimizer step](step_time.png)", "",

@@ -317,6 +317,13 @@ def run_arm(payload: dict) -> dict:
     if quiesce is not None:
         quiesce()
     align_ranks()
+    # The package's own buffers beyond model states, as the measured steps left them (the pool's peak covers
+    # every step); stock arms have none of them.
+    buffers = staging = None
+    if hasattr(engine.optimizer, "hzp_buffer_bytes"):
+        from ds_asynchzp.runtime.buffer_bytes import staging_rings
+
+        buffers, staging = engine.optimizer.hzp_buffer_bytes(), staging_rings(engine.optimizer)
     steady_steps = payload["steps"] - steady_from
     totals = ledger.summary(steady_mark)
     steady = {"steps": steady_steps,
@@ -358,6 +365,8 @@ def run_arm(payload: dict) -> dict:
         "timeline_step": timeline_step,
         "buffer_allocations": (engine.optimizer.hzp_buffer_allocations()
                                if hasattr(engine.optimizer, "hzp_buffer_allocations") else None),
+        "package_buffer_bytes": buffers,
+        "staging_rings": staging,
     }
     # Joins the communication threads and tells the peer monitors that this rank ends cleanly, before any rank
     # exits: a rank that is done must not look lost to one still finishing.

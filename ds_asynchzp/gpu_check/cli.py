@@ -17,6 +17,8 @@
    (relative 1e-6, fp32). `--skip-offload` leaves it out.
 5. **Communication**: per step, busy time of each communication thread from CUDA events on its stream, and
    step times (CUDA events) of the three arms.
+6. **Package buffers**: the AsyncHZP arms' own buffers beyond the model states, by kind, next to the model
+   states and `torch.cuda.max_memory_allocated`.
 
 The report (`gpu-check-<date>-<device>.json` and `.md`, with the date, the commit and the device) goes to
 `--out`. Exit status 0 when every check passed, 1 when one failed, 2 when there is no CUDA device.
@@ -239,6 +241,9 @@ def _training_checks(results: Dict, failures: Dict, sanitizer_reports: Optional[
                                               f"{m['end']['reserved'] / 2**20:.0f} MiB, retries "
                                               f"{m['after_warmup']['alloc_retries']} -> {m['end']['alloc_retries']}"
                                               for i, m in enumerate(memory)), "details": {}})
+    buffers = _buffer_check(results)
+    if buffers is not None:
+        checks.append(buffers)
     rows = []
     for arm, arm_ranks in results.items():
         if arm_ranks:
@@ -253,6 +258,34 @@ def _training_checks(results: Dict, failures: Dict, sanitizer_reports: Optional[
                                   "rank 0)",
                        "details": {"rows": rows}})
     return checks
+
+
+def _buffer_check(results: Dict) -> Optional[Dict]:
+    """The AsyncHZP arms' own buffers beyond the model states, by kind (rank 0), next to its model states and the
+    allocator's peak; None when no arm recorded them."""
+    from ..bench.buffer_table import KIND_LABELS, KIND_LEGEND
+
+    rows = []
+    for arm, arm_ranks in results.items():
+        recorded = [r for r in arm_ranks or [] if r.get("package_buffer_bytes")]
+        if not recorded:
+            continue
+        first = recorded[0]
+        buffers, peak = first["package_buffer_bytes"], (first.get("memory") or {}).get("max_allocated")
+        kinds = {f"{label} MiB": buffers.get(kind, 0) / 2**20 for kind, label in KIND_LABELS.items()}
+        rows.append({"arm": arm, **kinds,
+                     "total MiB": buffers["total"] / 2**20,
+                     "total, largest rank MiB": max(r["package_buffer_bytes"]["total"] for r in recorded) / 2**20,
+                     "model states MiB": (first["model_state_bytes"] / 2**20
+                                          if first.get("model_state_bytes") is not None else None),
+                     "max allocated MiB": None if peak is None else peak / 2**20})
+    if not rows:
+        return None
+    return {"name": "package buffers per rank", "passed": None, "measured": True,
+            "summary": "bytes of AsyncHZP's own buffers beyond the model states, rank 0, at the end of the measured "
+                       "steps (`hzp_buffer_bytes`), next to its model states and torch.cuda.max_memory_allocated "
+                       "(everything the allocator handed out at once, activations included)",
+            "details": {"rows": rows, "legend": KIND_LEGEND}}
 
 
 # ------------------------------------------------------------------------------------------------ main

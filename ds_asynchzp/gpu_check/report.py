@@ -58,7 +58,8 @@ def render_markdown(result: Dict) -> str:
     for check in result["checks"]:
         rows = check.get("details", {}).get("rows")
         if rows:
-            lines += [f"## {check['name']}", "", _table(rows), ""]
+            legend = check.get("details", {}).get("legend")
+            lines += [f"## {check['name']}", "", _table(rows), "", *([legend, ""] if legend else [])]
         for arm, tail in check.get("details", {}).get("failure tails", {}).items():
             lines += [f"## {check['name']}: the end of arm '{arm}''s failure", "", "```", tail, "```", ""]
     return "\n".join(lines).rstrip() + "\n"

@@ -1,5 +1,6 @@
 """One rank of one arm of the GPU check: train the benchmark model on the rank's device and report the losses,
-step times and busy communication time from CUDA events, and the allocator's counters.
+step times and busy communication time from CUDA events, the allocator's counters, and the bytes of the
+package's own buffers beyond the model states.
 
 Run by `ds_asynchzp.bench.launch.launch_local` as ``ds_asynchzp.gpu_check.worker:run_arm``. The payload says
 the arm: its ds_config, whether a `torch.cuda._sleep` follows every module's forward on the compute stream (it
@@ -80,6 +81,7 @@ def run_arm(payload: dict) -> dict:
     import torch
 
     import ds_asynchzp
+    from ..accounting.memory import model_state_bytes
     from ..bench.data import batch_for
     from ..bench.model import MODEL_PRESETS, build_model
 
@@ -128,6 +130,13 @@ def run_arm(payload: dict) -> dict:
         stats = torch.cuda.memory_stats(device)
         memory["end"] = {"reserved": stats.get("reserved_bytes.all.current", 0),
                          "alloc_retries": stats.get("num_alloc_retries", 0)}
+        # Everything the allocator ever handed out at once (activations included): the ceiling the package's
+        # buffers below sit under.
+        memory["max_allocated"] = torch.cuda.max_memory_allocated(device)
+    # AsyncHZP's own buffers beyond the model states, as the measured steps left them (None for stock ZeRO-3).
+    buffers = engine.optimizer.hzp_buffer_bytes() if hasattr(engine.optimizer, "hzp_buffer_bytes") else None
+    states = model_state_bytes(engine)
+    states = states["total"] - states.get("error_feedback", 0)   # the residual counts among the buffers
     losses = [float(value.cpu()) for value in step_losses]
     step_ms = [start.elapsed_time(end) if cuda else (end - start) * 1e3 for start, end in marks]
     optimizer = type(engine.optimizer).__name__
@@ -137,4 +146,5 @@ def run_arm(payload: dict) -> dict:
         timer.uninstall()
     return {"rank": rank, "losses": losses, "step_ms": step_ms[warmup:], "memory": memory,
             "comm_busy_ms": {flow: ms / max(1, warmup + steps) for flow, ms in busy.items()},
-            "optimizer": optimizer, "device": str(device)}
+            "optimizer": optimizer, "device": str(device), "package_buffer_bytes": buffers,
+            "model_state_bytes": states}
