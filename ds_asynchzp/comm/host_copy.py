@@ -3,8 +3,8 @@ host optimizer's fp32 gradients, inside the boundary's chunk jobs.
 
 A chunk's copy runs on the boundary flow's copy stream once that chunk's cross-node sum is done (an event recorded
 on the job's stream after the sum), so the copy of chunk k overlaps the exchange of chunk k+1 on the boundary's
-own stream. The copies of a window are waited for by whoever reads the host gradients (`wait`, on the current
-stream: the host then reads them only after a host synchronisation on that stream, which the norm's read provides).
+own stream. The copies of a window are waited for on the current stream (`wait`) before anything rewrites the own row; the
+host reads the gradients only after blocking on an event recorded there afterwards (`HostOffload.host_wait`).
 The gradient is cast to fp32 on the device first, as stock ZeRO-3 does before its copy, so 4 bytes per element
 cross to the host.
 """

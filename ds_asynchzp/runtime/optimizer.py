@@ -292,9 +292,10 @@ class HierarchicalZeroOptimizer(GradientReaders, DeepSpeedZeroOptimizer_Stage3):
         if placement.grads.window is Window.REDUCED:
             self._hzp_reopen_window(placement)
         job = placement.reduce.reduce_bucket(params_to_reduce, communication_data_type, first=first)
+        at_boundary = at_accumulation_boundary(self)
         if self.hzp_offload is not None:
-            self.hzp_offload.reduced(params_to_reduce, at_accumulation_boundary(self))
-        if at_accumulation_boundary(self):
+            self.hzp_offload.reduced(params_to_reduce, at_boundary)
+        if at_boundary:
             placement.boundary.grads_complete(placement.grads, params_to_reduce, job, self.communication_data_type)
         return [None] * len(params_to_reduce)
 
