@@ -203,6 +203,17 @@ def test_offload_norms_are_stocks(launched, name):
         assert hzp["norm_groups"] == pytest.approx(stock["norm_groups"], rel=REL), (rank, hzp, stock)
 
 
+def test_offload_with_optimizer_replicas_warns_once(launched):
+    """With d_o < N every optimizer replica steps its own host copy: said once per engine, naming the key; with
+    d_o = N nothing is said, and stock says nothing either."""
+    replicas = launched["d_o"] < launched["world"]
+    for rank, stock, hzp in _arms(launched, "two_backwards_one_step_offload"):
+        warned = [w for w in hzp["warnings"] if "offload_optimizer" in w]
+        assert len(warned) == (1 if replicas else 0), (rank, hzp["warnings"])
+        assert all("optimizer_shard_size" in w for w in warned)
+        assert not any("offload_optimizer" in w for w in stock["warnings"])
+
+
 def test_eval_forwards_equal_stock(launched):
     for rank, stock, hzp in _arms(launched, "eval_and_train_switches"):
         assert len(stock["forward"]) == 2
