@@ -7,6 +7,8 @@ reduction and one parameter refresh per optimizer step cross nodes.
 * ``ds_asynchzp.initialize(...)``: same arguments and return value as ``deepspeed.initialize``; honours the
   top-level ``"async_hzp"`` section of the ds_config.
 * ``ds_asynchzp.register()``: makes plain ``deepspeed.initialize`` (HF Trainer, Accelerate) honour it.
+* ``ds_asynchzp.sequence_parallel_loss(loss_sum, num_tokens, group)``: the loss of a sequence split over a Ulysses
+  sequence-parallel group (ALST), through ``deepspeed.comm``.
 * ``ds_asynchzp.ledger``: bytes of every collective, intra- vs inter-node.
 * ``ds_asynchzp.install_cpu_zeropp_quantizer()``: lets stock ZeRO++ (qwZ, qgZ) run on CPU ranks (call it before
   ``deepspeed.initialize``).
@@ -35,6 +37,7 @@ _LAZY = {
     "HierarchicalZeroOptimizer": "ds_asynchzp.runtime.optimizer",
     "SUPPORTED_DEEPSPEED_VERSION": "ds_asynchzp.platform.deepspeed_internals",
     "install_cpu_zeropp_quantizer": "ds_asynchzp.platform.deepspeed_internals",
+    "sequence_parallel_loss": "ds_asynchzp.runtime.sp_loss",
 }
 
 
@@ -51,5 +54,5 @@ __all__ = [
     "AsyncHZPConfigError", "AsyncHZPNotActiveError", "PartitionWriteError", "AsyncHZPEngine",
     "HierarchicalZeroOptimizer",
     "ResolvedLayout", "resolve_layout", "section_from_ds_config", "SUPPORTED_DEEPSPEED_VERSION", "__version__",
-    "install_cpu_zeropp_quantizer",
+    "install_cpu_zeropp_quantizer", "sequence_parallel_loss",
 ]

@@ -299,6 +299,8 @@ class ResolvedLayout:
     # False for an engine built without an optimizer (a frozen reference model, a teacher, evaluation): it gets
     # stock ZeRO-3's parameter-only engine with its parameters sharded over d_p inside the node (runtime/api.py).
     has_optimizer: bool = True
+    # Ulysses sequence parallelism's degree (ALST's mpu): SP groups of consecutive ranks inside the ZeRO world.
+    sequence_parallel_size: int = 1
 
     def grid(self) -> HierarchicalLayout:
         return HierarchicalLayout(self.world_size, self.node_size, self.param_shard_size, self.grad_shard_size,
@@ -324,7 +326,8 @@ class ResolvedLayout:
                 "quantize_cross_node": self.quantize_cross_node,
                 "gradient_quantization_bits": self.gradient_quantization_bits,
                 "quantization_block_size": self.quantization_block_size, "error_feedback": self.error_feedback,
-                "quantization": self.quantization_plan().describe()}
+                "quantization": self.quantization_plan().describe(),
+                "sequence_parallel_size": self.sequence_parallel_size}
 
     def describe(self) -> str:
         """One line for rank 0's log: every size with its replica count, and why "auto" chose it."""
@@ -343,6 +346,11 @@ class ResolvedLayout:
         plan = self.quantization_plan()
         if plan.any:
             text = f"{text}; {plan.describe()}"
+        if self.sequence_parallel_size > 1:
+            sp = self.sequence_parallel_size
+            where = ("inside a node" if self.node_size % sp == 0 else
+                     f"across nodes ({sp} does not divide the node size {self.node_size})")
+            text = f"{text}; Ulysses sequence parallelism sp={sp}: its all-to-alls run {where}"
         return f"{text}; {self.auto_reason}" if self.auto_reason else text
 
 
@@ -381,6 +389,14 @@ def _dtype_bytes(ds_config: dict, key: str, default: int) -> int:
         raise AsyncHZPConfigError(key, f"is {node!r}, not a dtype DeepSpeed knows.",
                                   'use "bf16", "fp16" or "fp32", or remove the key.')
     return _DTYPE_BYTES[node.lower()]
+
+
+def grad_comm_bytes(ds_config: dict, sequence_parallel_size: int = 1) -> int:
+    """Bytes per element of the gradient flows: ``communication_data_type`` (default: the parameters' dtype); under
+    sequence parallelism DeepSpeed's engine uses ``seq_parallel_communication_data_type`` instead, fp32 unless set."""
+    if sequence_parallel_size > 1:
+        return _dtype_bytes(ds_config, "seq_parallel_communication_data_type", 4)
+    return _dtype_bytes(ds_config, "communication_data_type", _param_bytes(ds_config))
 
 
 def _grad_accum_steps(ds_config: dict, world: int) -> int:
@@ -537,6 +553,7 @@ def resolve_layout(
     *,
     has_client_optimizer: bool = False,
     num_parameters: int | None = None,
+    sequence_parallel_size: int = 1,
 ) -> ResolvedLayout | None:
     """Validate the whole ds_config for AsyncHZP and resolve the group sizes.
 
@@ -546,7 +563,10 @@ def resolve_layout(
     ``num_parameters`` (padded, see :mod:`ds_asynchzp.accounting.sizing`) is
     needed only for ``"auto"``, which also reads the accumulation steps and
     the dtypes (``bf16``/``fp16``, ``data_types.grad_accum_dtype``,
-    ``communication_data_type``) from the ds_config. Returns None when the
+    ``communication_data_type``) from the ds_config. ``sequence_parallel_size``:
+    Ulysses SP's degree (ALST's mpu); ZeRO still spans the world, but the
+    batch arithmetic divides it by ``sp`` and gradients travel in
+    ``seq_parallel_communication_data_type``, as DeepSpeed does. Returns None when the
     section is absent or disabled. Pure function of its inputs and the
     environment: no process group is created or used.
     """
@@ -585,8 +605,8 @@ def resolve_layout(
         *chosen, reason = sizing.choose_layout(
             num_parameters, world, node, budget, param_bytes=b,
             grad_accum_bytes=_dtype_bytes(ds_config, "data_types.grad_accum_dtype", b),
-            grad_comm_bytes=_dtype_bytes(ds_config, "communication_data_type", b),
-            grad_accum_steps=_grad_accum_steps(ds_config, world),
+            grad_comm_bytes=grad_comm_bytes(ds_config, sequence_parallel_size),
+            grad_accum_steps=_grad_accum_steps(ds_config, world // sequence_parallel_size),
             intra_bw_bytes_s=section.intra_node_bandwidth_gbps * 1e9 / 8,
             inter_bw_bytes_s=section.inter_node_bandwidth_gbps * 1e9 / 8, fixed=fixed, **offload)
         d_p, d_g, d_o = chosen
@@ -609,4 +629,5 @@ def resolve_layout(
                           gradient_quantization_bits=section.gradient_quantization_bits,
                           quantization_block_size=section.quantization_block_size,
                           error_feedback=section.error_feedback,
-                          has_optimizer=bool(ds_config.get("optimizer")) or has_client_optimizer)
+                          has_optimizer=bool(ds_config.get("optimizer")) or has_client_optimizer,
+                          sequence_parallel_size=sequence_parallel_size)

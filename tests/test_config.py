@@ -400,7 +400,8 @@ def test_layout_fields_description_and_dict():
                                 "async_comm": True, "prefetch_depth": 2, "quantized_weights": False,
                                 "quantized_gradients": False, "quantize_cross_node": False,
                                 "gradient_quantization_bits": 8, "quantization_block_size": 512,
-                                "error_feedback": False, "quantization": "no quantized communication"}
+                                "error_feedback": False, "quantization": "no quantized communication",
+                                "sequence_parallel_size": 1}
     assert "background threads (prefetch depth 2)" in text and "quantized" not in text
     json.dumps(layout.as_dict())
     inner = resolve_layout(make({"param_shard_size": 2, "grad_shard_size": 4, "optimizer_shard_size": 4}), 8, 4)
@@ -614,11 +615,9 @@ def test_auto_accounts_for_the_parameter_and_accumulation_dtypes():
             <= 5.2 * GIB
 
 
-def test_an_mpu_is_refused_naming_which_kind(monkeypatch):
-    """DeepSpeed's Ulysses sequence parallelism (ALST) passes its state module as the mpu; a Megatron-style mpu
-    carries tensor or pipeline groups. Each is refused by name, before any process group exists."""
-    from deepspeed.runtime.sequence_parallel import parallel_state_sp
-
+def test_a_megatron_style_mpu_is_refused_before_any_process_group(monkeypatch):
+    """A Megatron-style mpu carries tensor or pipeline groups: refused by name, saying which mpu is accepted (Ulysses
+    sequence parallelism's state, tests/test_sequence_parallel.py), before any process group exists."""
     import ds_asynchzp
 
     monkeypatch.setenv("WORLD_SIZE", "8")
@@ -628,9 +627,23 @@ def test_an_mpu_is_refused_naming_which_kind(monkeypatch):
         def get_model_parallel_world_size(self):
             return 2
 
-    with pytest.raises(AsyncHZPConfigError, match="Ulysses sequence parallelism") as info:
-        ds_asynchzp.resolve_for_initialize(config=make(), mpu=parallel_state_sp)
-    assert info.value.keys == ("mpu",)
-    with pytest.raises(AsyncHZPConfigError, match="model-parallel unit"):
+    with pytest.raises(AsyncHZPConfigError, match="Megatron-style model-parallel unit") as info:
         ds_asynchzp.resolve_for_initialize(config=make(), mpu=MegatronStyle())
+    assert info.value.keys == ("mpu",) and "Ulysses sequence parallelism" in str(info.value)
     assert not dist.is_initialized()
+
+
+def test_sequence_parallelism_in_the_layout_and_the_gradient_dtype():
+    """Under Ulysses SP DeepSpeed reduces gradients in seq_parallel_communication_data_type (fp32 unless set), not
+    communication_data_type; the layout says where the SP all-to-alls run (consecutive ranks: inside a node when sp
+    divides the node size)."""
+    from ds_asynchzp.config import grad_comm_bytes
+
+    bf16 = make()
+    bf16["bf16"] = {"enabled": True}
+    assert grad_comm_bytes(bf16) == 2 and grad_comm_bytes(bf16, 2) == 4
+    assert grad_comm_bytes(dict(bf16, seq_parallel_communication_data_type="bf16"), 2) == 2
+    inside = resolve_layout(make(), 8, 4, sequence_parallel_size=2)
+    assert inside.sequence_parallel_size == 2 and "sp=2: its all-to-alls run inside a node" in inside.describe()
+    across = resolve_layout(make(), 8, 4, sequence_parallel_size=8)
+    assert "across nodes (8 does not divide the node size 4)" in across.describe()

@@ -78,7 +78,7 @@ def test_only_the_first_optimizer_replica_carries_the_kept_gradient_into_a_windo
 def test_the_first_backward_copies_and_the_later_ones_add():
     shards, params = _shards()
     shards.buffer.own.fill_(7.0)      # the gradient kept from the last step
-    reduce = GradReduce(shards, Group("grad_shard", (0,)), world=1, use_reduce_scatter=True, runner=InlineRunner("reduce", 30))
+    reduce = GradReduce(shards, Group("grad_shard", (0,)), divisor=1, use_reduce_scatter=True, runner=InlineRunner("reduce", 30))
     for param in params:
         param.grad = torch.ones(param.ds_numel)
     reduce.reduce_bucket(params, torch.float32, first=True).wait()
@@ -93,7 +93,7 @@ def test_the_first_backward_copies_and_the_later_ones_add():
 def test_a_parameter_missing_from_the_first_backward_adds_to_the_kept_gradient():
     shards, params = _shards()
     shards.buffer.own.fill_(7.0)
-    reduce = GradReduce(shards, Group("grad_shard", (0,)), world=1, use_reduce_scatter=True, runner=InlineRunner("reduce", 30))
+    reduce = GradReduce(shards, Group("grad_shard", (0,)), divisor=1, use_reduce_scatter=True, runner=InlineRunner("reduce", 30))
     params[0].grad = torch.ones(8)
     reduce.reduce_bucket([params[0]], torch.float32, first=True).wait()
     params[1].grad = torch.ones(5)

@@ -4,7 +4,8 @@ Replaces Stage 3's bucket reduce-scatter over the whole world. On the training t
 are packed into a staging slot laid out as [d_g, width], in which member i's row holds atoms {i + t*d_g} of
 every gradient, zero-padded past each gradient's end: one pass of the `bucket_add` op over all of them, which
 also casts to the communication dtype and divides by the data-parallel world (as stock ZeRO-3 divides before
-the sum, so both sum the same values). The gradients are then free to go: the reduction reads only the slot.
+the sum, so both sum the same values; under Ulysses SP stock's all-reduce path divides by world / sp, and so does
+this one). The gradients are then free to go: the reduction reads only the slot.
 
 The reduction and the addition of this rank's atoms into the gradient shard run as one job of the `reduce`
 thread: a reduce-scatter (or, with `reduce_scatter: false`, an all-reduce, as stock), or with quantized
@@ -116,7 +117,7 @@ def fill_bucket(send: torch.Tensor, grads: Sequence[torch.Tensor], atoms: Sequen
 
 
 class GradReduce:
-    def __init__(self, grads: GradShards, group: Group, world: int, use_reduce_scatter: bool, runner,
+    def __init__(self, grads: GradShards, group: Group, divisor: int, use_reduce_scatter: bool, runner,
                  quantize: Optional[QuantFormat] = None, tag_prefix: str = "asynchzp",
                  names: Optional[Dict[int, str]] = None, check_group: Optional[Group] = None):
         self.grads = grads
@@ -125,7 +126,7 @@ class GradReduce:
         self.tag = f"{tag_prefix}.grad_reduce_scatter"
         self.check_tag = f"{tag_prefix}.bucket_check"
         self.group = group
-        self.world = world
+        self.divisor = divisor       # what stock divides each gradient by before the sum (the world, by default)
         self.use_reduce_scatter = use_reduce_scatter
         self.quantize = quantize     # wire format of the quantized exchange, or None for full precision
         self.runner = runner
@@ -134,10 +135,12 @@ class GradReduce:
         self.scratch = {}            # receive buffer, used only inside reduce jobs
         self.inflight: List = []     # jobs not yet waited for, in submission order
 
-    def reduce_bucket(self, params: Sequence[torch.nn.Parameter], comm_dtype: torch.dtype, first: bool = False):
+    def reduce_bucket(self, params: Sequence[torch.nn.Parameter], comm_dtype: torch.dtype, first: bool = False,
+                      divisor: Optional[int] = None):
         """Pack the bucket's gradients (training thread) and submit their reduction into the gradient shard.
         `first`: the window's first backward, whose sums replace what the shard holds (as Stage 3 copies into its
-        partition then; `GradShards` says why that matters). Returns the job; the gradients may be freed at once."""
+        partition then; `GradShards` says why that matters). `divisor`: this bucket's, where it is not the usual
+        one. Returns the job; the gradients may be freed at once."""
         buffer, d_g = self.grads.buffer, self.group.size
         rows = buffer.rows
         sizes = [rows * buffer.columns[p.ds_id].atom for p in params]
@@ -146,7 +149,7 @@ class GradReduce:
         index, send = self.staging.acquire(d_g * width, comm_dtype, device)
         send = send.view(d_g, width)
         fill_bucket(send, [p.grad for p in params], [buffer.columns[p.ds_id].atom for p in params], rows,
-                    self.world)
+                    divisor or self.divisor)
         targets = [buffer.atoms(p) for p in params]
         self.grads.begin_accumulate(params)
         if first:

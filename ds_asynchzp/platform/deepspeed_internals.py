@@ -184,6 +184,7 @@ _STAGE3_INSTANCE_ATTRIBUTES = [
     ("grad_position", "optimizer offload: where a parameter's gradient sits in its sub-group's host gradient"),
     ("fp32_partitioned_groups_flat", "optimizer offload: the host master weights, whose .grad receives gradients"),
     ("_constant_buffered_norm2", "optimizer offload: the per-parameter gradient norm"),
+    ("sequence_parallel_size", "Ulysses SP's degree: the reduce_scatter=false path divides by world / sp"),
 ]
 
 

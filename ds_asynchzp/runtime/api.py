@@ -19,6 +19,7 @@ from ..config_compat import autoep_size
 from ..platform.deepspeed_internals import ds_comm, engine_class_swapped, hpz_groups_while_built, is_zero_param
 from .engine import engine_class_for
 from .optimizer import HierarchicalZeroOptimizer
+from .sequence_parallel import refuse_device_mesh, sequence_parallel_size
 
 _ORIGINAL_INITIALIZE = deepspeed.initialize
 _INITIALIZE_SIGNATURE = inspect.signature(_ORIGINAL_INITIALIZE)
@@ -51,16 +52,9 @@ def resolve_for_initialize(*args, **kwargs) -> ResolvedLayout | None:
     config = _ds_config_of(arguments)
     if config is None or section_from_ds_config(config) is None:
         return None
-    mpu = arguments.get("mpu")
-    if mpu is not None and hasattr(mpu, "get_sequence_parallel_group"):
-        # ALST (deepspeed.runtime.sequence_parallel.parallel_state_sp) passes its state module as the mpu.
-        raise AsyncHZPConfigError("mpu", "is Ulysses sequence parallelism's state (ALST); sequence parallelism is not "
-                                  "supported with async_hzp yet.",
-                                  "remove the async_hzp section to train with Ulysses sequence parallelism.")
-    if mpu is not None:
-        raise AsyncHZPConfigError("mpu", "is a model-parallel unit (tensor or pipeline groups); model parallelism is "
-                                  "not supported with async_hzp.",
-                                  "remove the async_hzp section, or train without an mpu.")
+    # Ulysses SP (ALST's mpu) is accepted, any other mpu and DeepSpeed's device-mesh SP are refused by name.
+    refuse_device_mesh(load_ds_config(config), arguments.get("mesh_param"))
+    sp = sequence_parallel_size(arguments.get("mpu"), _world_size())
     model = arguments.get("model")
     if isinstance(model, PipelineModule):
         raise AsyncHZPConfigError("model", "is a deepspeed.pipe.PipelineModule; pipeline parallelism is not supported "
@@ -70,7 +64,8 @@ def resolve_for_initialize(*args, **kwargs) -> ResolvedLayout | None:
     # variables disagree, settled) by resolve_layout.
     return resolve_layout(config, world, None,
                           has_client_optimizer=arguments.get("optimizer") is not None,
-                          num_parameters=padded_num_params(_model_numel(model), world) if model is not None else None)
+                          num_parameters=padded_num_params(_model_numel(model), world) if model is not None else None,
+                          sequence_parallel_size=sp)
 
 
 def _initialize_without_optimizer(layout: ResolvedLayout, arguments: dict):
@@ -86,6 +81,8 @@ def _initialize_without_optimizer(layout: ResolvedLayout, arguments: dict):
     why_stock = None
     if not 1 < layout.param_shard_size < layout.world_size:
         why_stock = "d_p is the world"
+    elif layout.sequence_parallel_size > 1:
+        why_stock = "hpZ's secondary partition is not part of DeepSpeed's Ulysses sequence-parallel path"
     elif autoep_size(config) is not None:
         why_stock = "DeepSpeed 0.19.8's AutoEP refuses hpZ's secondary partition"
     elif model is not None and any(is_zero_param(p) for p in model.parameters()):

@@ -284,14 +284,17 @@ class HierarchicalZeroOptimizer(GradientReaders, DeepSpeedZeroOptimizer_Stage3):
 
     # ----------------------------------------------------------------------------- per micro-step
     @torch.no_grad()
-    def _hzp_reduce_bucket(self, params_to_reduce, communication_data_type: torch.dtype) -> list:
+    def _hzp_reduce_bucket(self, params_to_reduce, communication_data_type: torch.dtype, sp_divides: bool = False
+                           ) -> list:
         """Replaces Stage 3's bucket reduce-scatter over the world: reduce inside the family's grad shard group,
-        in the background; in the last backward of the window, start each completed chunk's cross-node sum."""
+        in the background; in the last backward of the window, start each completed chunk's cross-node sum.
+        `sp_divides`: divide by world / sp, not the world (Stage 3's all-reduce path under Ulysses SP)."""
         placement = self._hzp_placement_of[params_to_reduce[0].ds_id]
         first = is_first_micro_step(self)
         if placement.grads.window is Window.REDUCED:
             self._hzp_reopen_window(placement)
-        job = placement.reduce.reduce_bucket(params_to_reduce, communication_data_type, first=first)
+        divisor = placement.reduce.divisor // self.sequence_parallel_size if sp_divides else None
+        job = placement.reduce.reduce_bucket(params_to_reduce, communication_data_type, first=first, divisor=divisor)
         at_boundary = at_accumulation_boundary(self)
         if self.hzp_offload is not None:
             self.hzp_offload.reduced(params_to_reduce, at_boundary)
@@ -301,9 +304,11 @@ class HierarchicalZeroOptimizer(GradientReaders, DeepSpeedZeroOptimizer_Stage3):
 
     @torch.no_grad()
     def _hzp_reduce_contiguous_bucket(self, buffer_to_reduce, communication_data_type: torch.dtype):
-        """Replaces Stage 3's all-reduce path (`reduce_scatter: false`); same result, same collective kind."""
+        """Replaces Stage 3's all-reduce path (`reduce_scatter: false`, a bucket within `reduce_bucket_size`; a larger
+        one takes the reduce-scatter path); same result, same collective kind. Under Ulysses SP that path alone
+        divides by world / sp (the reduce-scatter path by the world), and so does this one."""
         return self._hzp_reduce_bucket(list(stage3_bucket_params(self, communication_data_type)),
-                                       communication_data_type)
+                                       communication_data_type, sp_divides=True)
 
     def partition_grads(self, params_to_release, grad_partitions) -> list:
         """The bucket was packed for reduction already (`_hzp_reduce_bucket`), on the current stream (Stage 3's
