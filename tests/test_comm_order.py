@@ -152,3 +152,53 @@ def test_a_stopped_rank_ends_the_others_within_the_timeout_naming_it(tmp_path, m
     for rank in range(4):
         if rank != VICTIM:
             assert f"rank {rank}: killed by launcher" not in str(info.value), str(info.value)[-2000:]
+
+
+_USER_COLLECTIVE_SCRIPT = r"""
+import json, threading, time
+import deepspeed, torch, torch.distributed
+import deepspeed.comm as ds_comm
+from ds_asynchzp.scheduler.issue_order import IssueOrder
+deepspeed.init_distributed(dist_backend="gloo")
+original = torch.distributed.all_reduce
+order = IssueOrder(total=True, timeout_s=30)
+order.guard_backend()
+earlier = order.ticket()                      # a job submitted before the user's call, not yet issued
+done = []
+user = threading.Thread(target=lambda: (torch.distributed.all_reduce(torch.ones(1)), done.append(1)))
+user.start()
+time.sleep(0.5)
+waited = not done                             # the user's collective waits for the earlier ticket
+with order.turn(earlier, "reduce", "an earlier job", "g"):
+    pass
+user.join(10)
+what = order.last.what
+before = order.snapshot()["submitted"]
+ds_comm.all_reduce(torch.ones(1))             # through DeepSpeed's backend, which calls torch.distributed: one turn
+tickets = order.snapshot()["submitted"] - before
+order.release_backend()
+print(json.dumps({"waited": waited, "done": done, "what": what, "tickets": tickets,
+                  "restored": torch.distributed.all_reduce is original}))
+"""
+
+
+def test_a_users_torch_distributed_collective_takes_its_turn_in_the_total_order():
+    """A collective the user calls on `torch.distributed` directly (ALST's loss all-gather, a logging all-reduce)
+    takes a ticket and waits for every job submitted before it, as DeepSpeed's own do; a DeepSpeed collective,
+    which reaches `torch.distributed` inside its turn, takes one ticket, not two; release puts the function back."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from ds_asynchzp.bench.launch import free_port
+
+    env = dict(os.environ, DS_ACCELERATOR="cpu", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
+               PYTHONPATH=str(REPO_ROOT))
+    done = subprocess.run([sys.executable, "-c", _USER_COLLECTIVE_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result == {"waited": True, "done": [1], "what": "torch.distributed's all_reduce", "tickets": 1,
+                      "restored": True}, result

@@ -14,9 +14,13 @@ function returns once its kernels are enqueued, so the turn costs an enqueue; wh
 once complete (gloo on CPU), the threads' jobs run one at a time, still beside compute.
 
 The training thread issues collectives of its own too (DeepSpeed's: the step's norm, the coordinator's
-consistency checks after the first step, checkpoint broadcasts). With the total order they take a ticket at
-the call and wait for their turn (`guard_backend` wraps DeepSpeed's backend object, where every collective
-ends); a call made inside a job's turn is part of that job.
+consistency checks after the first step, checkpoint broadcasts, Ulysses SP's all-to-alls; and the user's: a
+loss all-gathered over a sequence-parallel group with `torch.distributed.nn.functional`, a logging all-reduce).
+With the total order they take a ticket at the call and wait for their turn: `guard_backend` wraps DeepSpeed's
+backend object, where every collective through `deepspeed.comm` ends, and `torch.distributed`'s collective
+functions, which user code and `torch.distributed.nn` call directly. A call made inside a turn (a job's, or a
+DeepSpeed call that reaches `torch.distributed`) is part of that turn. Not covered: collectives through
+`torch.distributed`'s functional or compiled APIs, and process-group objects called directly.
 
 With the order "per_thread" (the default on CPU) tickets are still taken and the last started job is still
 known, for the diagnosis of a timeout; only the waiting for turns is off.
@@ -30,6 +34,8 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+import torch.distributed
+
 from ..errors import CommTimeoutError
 from ..platform.deepspeed_internals import comm_backend
 
@@ -38,6 +44,13 @@ _ISSUING_METHODS = ("all_gather_into_tensor", "all_gather", "all_gather_coalesce
                     "reduce_scatter_tensor", "reduce_scatter", "all_reduce", "all_reduce_coalesced", "broadcast",
                     "broadcast_object_list", "reduce", "all_to_all_single", "all_to_all", "gather", "scatter",
                     "barrier", "monitored_barrier")
+
+
+# torch.distributed's module-level collectives, which user code and torch.distributed.nn call by attribute.
+_TORCH_DISTRIBUTED_COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor",
+                                  "_all_gather_base", "all_gather_object", "reduce_scatter", "reduce_scatter_tensor",
+                                  "_reduce_scatter_base", "broadcast", "broadcast_object_list", "reduce", "gather",
+                                  "scatter", "all_to_all", "all_to_all_single", "barrier", "monitored_barrier")
 
 
 @dataclass(frozen=True)
@@ -61,8 +74,7 @@ class IssueOrder:
         self._turn = 0                    # total order: the ticket that may issue now
         self.last: Optional[Issued] = None
         self._local = threading.local()   # .holding: the calling thread is inside a turn
-        self._guarded: dict = {}           # method -> (original, our wrapper) while guard_backend is on
-        self._backend = None
+        self._guarded: dict = {}           # (owner, name) -> (original, our wrapper) while guard_backend is on
 
     def ticket(self) -> int:
         """The next position in the order; taken on the training thread, in program order."""
@@ -106,31 +118,33 @@ class IssueOrder:
 
     # ------------------------------------------------------------------ the training thread's own collectives
     def guard_backend(self) -> None:
-        """With the total order: every collective issued outside a job (DeepSpeed's, on the training thread) takes
-        the next ticket and waits for its turn. Undone by `release_backend`."""
+        """With the total order: every collective issued outside a job (DeepSpeed's and the user's, on the training
+        thread) takes the next ticket and waits for its turn. Undone by `release_backend`."""
         if not self.total or self._guarded:
             return
-        self._backend = comm_backend()
-        for method in _ISSUING_METHODS:
-            original = getattr(self._backend, method, None)
-            if original is not None:
-                wrapper = self._ordered(method, original)
-                self._guarded[method] = (original, wrapper)
-                setattr(self._backend, method, wrapper)
+        owners = [(comm_backend(), _ISSUING_METHODS, "DeepSpeed's"),
+                  (torch.distributed, _TORCH_DISTRIBUTED_COLLECTIVES, "torch.distributed's")]
+        for owner, methods, whose in owners:
+            for method in methods:
+                original = getattr(owner, method, None)
+                if original is not None:
+                    wrapper = self._ordered(f"{whose} {method}", original)
+                    self._guarded[(owner, method)] = (original, wrapper)
+                    setattr(owner, method, wrapper)
 
     def release_backend(self) -> None:
-        for method, (original, wrapper) in self._guarded.items():
+        for (owner, method), (original, wrapper) in self._guarded.items():
             # Put the original back only where ours is still outermost; a wrapper installed over ours (the ledger's)
             # keeps calling ours, which from now on passes every call through.
-            if getattr(self._backend, method, None) is wrapper:
-                setattr(self._backend, method, original)
+            if getattr(owner, method, None) is wrapper:
+                setattr(owner, method, original)
         self._guarded = {}
 
-    def _ordered(self, method: str, original):
+    def _ordered(self, what: str, original):
         def issue(*args, **kwargs):
             if not self._guarded or getattr(self._local, "holding", False):
                 return original(*args, **kwargs)
-            with self.turn(self.ticket(), "training", f"DeepSpeed's {method}", "a DeepSpeed group"):
+            with self.turn(self.ticket(), "training", what, "a group of the caller's"):
                 return original(*args, **kwargs)
 
         issue.__wrapped__ = original
