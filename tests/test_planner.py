@@ -641,3 +641,43 @@ def test_volume_table_by_flow_passes_formula_flows_and_flags_a_planted_mismatch(
     assert float(row[-3]) == pytest.approx(totals["zeropp"] / totals["zero3"], abs=1e-3)
     assert float(row[-2]) == pytest.approx((totals["zeropp"] - reduction["inter_node"] / 2) / totals["zero3"],
                                            abs=1e-3)
+
+
+def test_sequence_parallel_all_to_alls_and_fp32_gradients_in_every_arm():
+    """Ulysses SP: per layer and micro-step a rank sends (sp-1)/sp of its q, k, v and output slices, forward and
+    backward; inside the node when sp divides it, else the share of peers on other nodes crosses. Gradient flows go
+    fp32 (seq_parallel_communication_data_type's default) in every arm."""
+    from ds_asynchzp.planner import sequence_parallel as sp_plan
+
+    sp = sp_plan.SpInputs(sp=4, seq_len=1024, hidden=64, layers=3, kv_hidden=16)
+    per_rank_tokens = 1024 // 4
+    expected = 2 * 3 * 2 * per_rank_tokens * (2 * 64 + 2 * 16) * 2 * 3 / 4     # passes, layers, accum, bf16
+    inside = sp_plan.all_to_all_bytes(sp, world=16, node_size=8, grad_accum=2, value_bytes=2)
+    assert inside == {"intra_node": expected, "inter_node": 0.0}
+    # sp 16 over nodes of 8: 8 of each rank's 15 peers are on the other node.
+    assert sp_plan.inter_node_share(16, 16, 8) == pytest.approx(8 / 15)
+    assert sp_plan.inter_node_share(4, 16, 8) == 0.0
+
+    with_sp = planner.plan(10**9, 16, 8, grad_accum=2, param_shard_size=8, optimizer_shard_size=16, sp=sp)
+    plain = planner.plan(10**9, 16, 8, grad_accum=2, param_shard_size=8, optimizer_shard_size=16)
+    assert with_sp["inputs"]["grad_comm_bytes"] == 4 and plain["inputs"]["grad_comm_bytes"] == 2
+    for arm in ("zero3", "asynchzp"):
+        assert with_sp["arms"][arm]["sp_all_to_all"] == inside
+    # zero3's bytes: its formula with fp32 gradients, plus the all-to-alls; more than without SP.
+    t = planner.traffic_inputs(10**9, 16, 8, 2, "bf16", grad_comm_bytes=4)
+    zero3 = traffic.zero3_bytes(t)
+    for where in ("intra_node", "inter_node"):
+        assert with_sp["arms"]["zero3"]["bytes_per_step"][where] == pytest.approx(zero3[where] + inside[where])
+    assert with_sp["arms"]["zero3"]["bytes_per_step"]["inter_node"] > plain["arms"]["zero3"]["bytes_per_step"]["inter_node"]
+    assert "every SP group inside a node" in with_sp["sequence_parallel"]["description"]
+    with pytest.raises(ValueError, match="multiple of sp"):
+        planner.plan(10**9, 16, 8, sp=sp_plan.SpInputs(sp=4, seq_len=1022, hidden=64, layers=3))
+
+
+def test_plan_cli_sp_needs_the_sequence_and_model_shape(capsys):
+    with pytest.raises(SystemExit):
+        plan_cli.main(["--params", "1B", "--world", "16", "--node-size", "8", "--sp", "4"])
+    assert "--sp needs --seq-len, --layers, --hidden" in capsys.readouterr().err
+    assert plan_cli.main(["--params", "1B", "--world", "16", "--node-size", "8", "--sp", "4", "--seq-len", "4096",
+                     "--layers", "8", "--hidden", "1024"]) == 0
+    assert "Ulysses sequence parallelism sp=4" in capsys.readouterr().out

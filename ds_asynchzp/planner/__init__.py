@@ -51,6 +51,7 @@ from ..layout import HierarchicalLayout
 from ..quantization import NO_QUANTIZATION, QuantizationPlan, plan_quantization
 from . import moe as moe_plan
 from . import offload as offload_plan
+from . import sequence_parallel as sp_plan
 from . import volume
 # Part of the package's interface: the CLI and callers read their inputs as planner.parse_count and so on.
 from .inputs import parse_bandwidth, parse_count, parse_memory, params_from_model_spec  # noqa: F401
@@ -157,17 +158,19 @@ DEFAULT_INTER_BW = 200e9 / 8
 
 
 def traffic_inputs(num_params: int, world: int, node_size: int, grad_accum: int, dtype: str,
-                   multiple: int | None = None) -> traffic.TrafficInputs:
+                   multiple: int | None = None, grad_comm_bytes: float | None = None) -> traffic.TrafficInputs:
     """Inputs for a planned model: one tensor padded to a multiple of ``multiple`` (default: the world; ``d_o``
-    for AsyncHZP), every element gathered, reduced and trained."""
+    for AsyncHZP), every element gathered, reduced and trained; gradients on the wire in the parameter dtype unless
+    ``grad_comm_bytes`` says otherwise (fp32 under sequence parallelism)."""
     padded = sizing.padded_num_params([num_params], world if multiple is None else multiple)
     b = DTYPE_BYTES[dtype]
     return traffic.TrafficInputs(world=world, node_size=node_size, grad_accum=grad_accum, gathered_elements=padded,
-                                 reduced_elements=padded, trainable_elements=padded, param_bytes=b, grad_comm_bytes=b)
+                                 reduced_elements=padded, trainable_elements=padded, param_bytes=b,
+                                 grad_comm_bytes=b if grad_comm_bytes is None else grad_comm_bytes)
 
 
 def _ds_config(world: int, grad_accum: int, dtype: str, grad_accum_dtype: str | None, section: dict,
-               offload_optimizer: bool = False) -> dict:
+               offload_optimizer: bool = False, sp_grad_comm_bytes: int = 4) -> dict:
     """The ds_config the engine would get for this plan (what resolve_layout reads for "auto")."""
     config = {"zero_optimization": {"stage": 3}, "gradient_accumulation_steps": grad_accum, "async_hzp": section}
     if offload_optimizer:
@@ -176,13 +179,15 @@ def _ds_config(world: int, grad_accum: int, dtype: str, grad_accum_dtype: str | 
         config[dtype] = {"enabled": True}
     if grad_accum_dtype is not None:
         config["data_types"] = {"grad_accum_dtype": grad_accum_dtype}
+    if sp_grad_comm_bytes != 4:
+        config["seq_parallel_communication_data_type"] = "bf16"
     return config
 
 
 def resolve_plan_layout(num_params: int, world: int, node_size: int, sizes: dict, *, grad_accum: int = 1,
                         dtype: str = "bf16", grad_accum_dtype: str | None = None, budget_bytes: float | None = None,
                         intra_bw: float | None = None, inter_bw: float | None = None,
-                        offload_optimizer: bool = False) -> dict:
+                        offload_optimizer: bool = False, sp: "sp_plan.SpInputs | None" = None) -> dict:
     """The layout the engine resolves for ``sizes`` (``{"param_shard_size": "auto" | int | None, ...}``), through
     :func:`ds_asynchzp.config.resolve_layout` itself: ``{"d_p", "d_g", "d_o", "reason", "error"}``; with
     ``offload_optimizer`` for a ds_config that offloads the optimizer to the host.
@@ -194,10 +199,12 @@ def resolve_plan_layout(num_params: int, world: int, node_size: int, sizes: dict
         section["memory_budget_gb"] = budget_bytes / sizing.BYTES_PER_GB
     section["intra_node_bandwidth_gbps"] = (intra_bw or DEFAULT_INTRA_BW) * 8 / 1e9
     section["inter_node_bandwidth_gbps"] = (inter_bw or DEFAULT_INTER_BW) * 8 / 1e9
-    config = _ds_config(world, grad_accum, dtype, grad_accum_dtype, section, offload_optimizer)
+    config = _ds_config(world, grad_accum, dtype, grad_accum_dtype, section, offload_optimizer,
+                        4 if sp is None else sp.grad_comm_bytes)
     padded = sizing.padded_num_params([num_params], world)  # as the engine counts before d_o is known
     try:
-        layout = resolve_layout(config, world, node_size, has_client_optimizer=True, num_parameters=padded)
+        layout = resolve_layout(config, world, node_size, has_client_optimizer=True, num_parameters=padded,
+                                sequence_parallel_size=1 if sp is None else sp.sp)
     except AsyncHZPConfigError as exc:
         if "async_hzp.memory_budget_gb" not in exc.keys:
             raise
@@ -220,7 +227,7 @@ def plan(num_params: int, world: int, node_size: int, grad_accum: int = 1, dtype
          memory_budget: float | None = None, param_shard_size: int | str | None = "auto",
          grad_shard_size: int | str | None = None, optimizer_shard_size: int | str | None = "auto",
          grad_accum_dtype: str | None = None, moe: "moe_plan.MoeInputs | None" = None,
-         offload_optimizer: bool = False) -> dict:
+         offload_optimizer: bool = False, sp: "sp_plan.SpInputs | None" = None) -> dict:
     """The whole plan as a JSON-ready dict: inputs, the ``"auto"`` pick and why, and per arm memory, bytes, time.
 
     Budget for ``"auto"``: ``memory_budget`` if given, else ``sizing.DEFAULT_BUDGET_FRACTION`` of
@@ -239,7 +246,16 @@ def plan(num_params: int, world: int, node_size: int, grad_accum: int = 1, dtype
     ``offload_optimizer`` (not with ``moe``) resolves the layouts for optimizer states on the host and adds
     ``auto_without_offload``, ``inputs["offload_optimizer"]``, ``inputs["host_device_bw_bytes_per_s"]`` and per arm
     an ``offload_optimizer`` entry (:func:`planner.offload.arm_entry`); the other keys keep their no-offload meaning.
+
+    With ``sp`` (Ulysses sequence parallelism, `planner.sequence_parallel`), every arm's gradient flows travel in
+    ``sp.grad_comm_bytes`` values and its bytes include the SP all-to-alls (also apart, as ``sp_all_to_all``);
+    ``"auto"`` resolves as the engine does under SP.
     """
+    if sp is not None:
+        if moe is not None:
+            raise ValueError("sequence parallelism is not planned together with AutoEP experts (DeepSpeed 0.19.8 "
+                             "refuses AutoEP with SP)")
+        sp_plan.check(sp, world)
     if moe is not None and offload_optimizer:
         raise ValueError("optimizer offload is not planned together with AutoEP experts")
     if moe is not None:
@@ -262,7 +278,7 @@ def plan(num_params: int, world: int, node_size: int, grad_accum: int = 1, dtype
     else:
         budget, budget_source = float(sizing.default_budget_bytes(node_size)), "detected on this machine"
     common = dict(grad_accum=grad_accum, dtype=dtype, grad_accum_dtype=grad_accum_dtype, budget_bytes=budget,
-                  intra_bw=intra_bw, inter_bw=inter_bw, offload_optimizer=offload_optimizer)
+                  intra_bw=intra_bw, inter_bw=inter_bw, offload_optimizer=offload_optimizer, sp=sp)
     auto_sizes = dict.fromkeys(sizing.SIZE_KEYS, "auto")
     sizes = dict(zip(sizing.SIZE_KEYS, (param_shard_size, grad_shard_size, optimizer_shard_size)))
     if moe is not None:  # AutoEP allows d_o = world only (config_compat.expert_issues); "auto" picks it
@@ -290,11 +306,15 @@ def plan(num_params: int, world: int, node_size: int, grad_accum: int = 1, dtype
         source = "smallest memory (auto found no fit)"
 
     arms = {}
+    sp_bytes = None if sp is None else sp_plan.all_to_all_bytes(sp, world, node_size, grad_accum, b)
     for arm in ARMS:
         asynchzp = arm.startswith("asynchzp")
-        t = traffic_inputs(num_params, world, node_size, grad_accum, dtype, multiple=d_o if asynchzp else world)
+        t = traffic_inputs(num_params, world, node_size, grad_accum, dtype, multiple=d_o if asynchzp else world,
+                           grad_comm_bytes=None if sp is None else sp.grad_comm_bytes)
         memory = arm_memory(arm, t.trainable_elements, world, node_size, d_p, d_g, b, d_o=d_o, grad_accum_bytes=a)
         moved = arm_bytes(arm, t, d_p, d_g, d_o)
+        if sp is not None:
+            moved = {w: moved[w] + sp_bytes[w] for w in ("intra_node", "inter_node")}
         families = None
         if moe is not None:
             if arm in moe_plan.UNSUPPORTED_ARMS:
@@ -322,6 +342,8 @@ def plan(num_params: int, world: int, node_size: int, grad_accum: int = 1, dtype
         }
         if families is not None:
             arms[arm]["by_family"] = families
+        if sp is not None:
+            arms[arm]["sp_all_to_all"] = sp_bytes
         if offload_optimizer:
             arms[arm]["offload_optimizer"] = offload_plan.arm_entry(arm, t, d_p, d_g, d_o, a, device_memory,
                                                                    None if times is None else times["total"])
@@ -349,6 +371,14 @@ def plan(num_params: int, world: int, node_size: int, grad_accum: int = 1, dtype
             "memory: model states only (no activations, buffers, fragmentation)",
         ],
     }
+    if sp is not None:
+        result["sequence_parallel"] = {"sp": sp.sp, "seq_len": sp.seq_len, "hidden": sp.hidden, "layers": sp.layers,
+                                       "kv_hidden": sp.kv_hidden or sp.hidden,
+                                       "inter_node_share": sp_plan.inter_node_share(sp.sp, world, node_size),
+                                       "all_to_all_bytes_per_step": sp_bytes,
+                                       "description": sp_plan.describe(sp, world, node_size)}
+        result["inputs"]["grad_comm_bytes"] = sp.grad_comm_bytes
+        result["assumptions"] += sp_plan.ASSUMPTIONS
     if offload_optimizer:
         result["inputs"].update(offload_optimizer=True, host_device_bw_bytes_per_s=sizing.HOST_DEVICE_BW_BYTES_S)
         result["auto_without_offload"] = without_offload

@@ -3,6 +3,8 @@
     asynchzp-plan --params 70B --world 1024 --node-size 16 --intra-bw 400GB/s --inter-bw 200Gbit \\
                   --grad-accum 8 --device-memory 64GB
     asynchzp-plan --params 70B --world 16 --node-size 8 --device-memory 80GB --grad-accum 8 --offload-optimizer
+    asynchzp-plan --params 8B --world 16 --node-size 8 --sp 8 --seq-len 131072 --layers 32 --hidden 4096 \\
+                  --kv-hidden 1024                  # Ulysses sequence parallelism (ALST)
     asynchzp-plan --check bench_out/results.json     # formulas against an asynchzp-bench run
 
 The numbers come from :mod:`ds_asynchzp.planner` (which uses the same traffic formulas, memory model and
@@ -21,6 +23,7 @@ from pathlib import Path
 from .. import planner
 from ..accounting.sizing import BYTES_PER_GB
 from . import offload as offload_plan
+from . import sequence_parallel as sp_plan
 from .moe import MoeInputs
 from .time_model import TIME_RTOL, check_sweep, load_sweep
 
@@ -102,9 +105,19 @@ def build_parser() -> argparse.ArgumentParser:
                      help="AutoEP's expert-parallel size (needed with --expert-params)")
     moe.add_argument("--tokens", type=_argtype(_positive_int), default=0,
                      help="tokens per rank per micro-step, for the token all-to-all (default: 0, left out)")
-    moe.add_argument("--hidden", type=_argtype(_positive_int), default=0, help="hidden size, for the token all-to-all")
+    moe.add_argument("--hidden", type=_argtype(_positive_int), default=0, help="hidden size, for the token all-to-all and the SP all-to-alls")
     moe.add_argument("--top-k", type=_argtype(_positive_int), default=2,
                      help="experts per token (default: %(default)s)")
+    sp = parser.add_argument_group("Ulysses sequence parallelism (ALST)")
+    sp.add_argument("--sp", type=_argtype(_positive_int), default=1,
+                    help="sequence-parallel degree (consecutive ranks share a sequence); needs --seq-len, and "
+                         "--layers and --hidden unless --model-json gives them")
+    sp.add_argument("--seq-len", type=_argtype(_positive_int), default=0, help="tokens per sequence")
+    sp.add_argument("--layers", type=_argtype(_positive_int), default=0, help="attention layers")
+    sp.add_argument("--kv-hidden", type=_argtype(_positive_int), default=0,
+                    help="key/value values per token (grouped-query attention; default: --hidden)")
+    sp.add_argument("--sp-comm-dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
+                    help="seq_parallel_communication_data_type: the gradients' dtype under SP (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--check", metavar="RESULTS_JSON",
                         help="compare the formulas with the bytes measured by asynchzp-bench (its results.json; exit 1 above 5 %%), "
@@ -124,6 +137,17 @@ def _num_params(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         return planner.params_from_model_spec(spec)
     except (OSError, ValueError) as exc:
         parser.error(f"--model-json {args.model_json}: {exc}")
+
+
+def _sp_inputs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> sp_plan.SpInputs:
+    spec = json.loads(Path(args.model_json).read_text(encoding="utf-8")) if args.model_json else {}
+    layers, hidden = args.layers or spec.get("layers", 0), args.hidden or spec.get("hidden", 0)
+    missing = [flag for flag, value in (("--seq-len", args.seq_len), ("--layers", layers), ("--hidden", hidden))
+               if not value]
+    if missing:
+        parser.error(f"--sp needs {', '.join(missing)}")
+    return sp_plan.SpInputs(args.sp, args.seq_len, hidden, layers, args.kv_hidden,
+                            grad_comm_bytes=planner.DTYPE_BYTES[args.sp_comm_dtype])
 
 
 def _rate(bytes_per_s: float) -> str:
@@ -185,6 +209,11 @@ def format_plan(result: dict) -> str:
     if layout.get("reason") and layout["reason"] != auto.get("reason"):
         lines.append(f"  {layout['reason']}")
 
+    if result.get("sequence_parallel") is not None:
+        sp = result["sequence_parallel"]
+        moved = sp["all_to_all_bytes_per_step"]
+        lines.append(f"{sp['description']}; per rank and step {moved['intra_node'] / GB:,.1f} GB intra and "
+                     f"{moved['inter_node'] / GB:,.1f} GB inter node of all-to-alls, in every arm's bytes below")
     moe = result.get("moe")
     if moe is not None:
         group = moe["expert_group"]
@@ -322,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--ep-size needs --expert-params")
     if moe is not None and args.offload_optimizer:
         parser.error("--offload-optimizer is not planned together with --expert-params")
+    sp = _sp_inputs(args, parser) if args.sp > 1 else None
     # The rates "auto" assumes when the config gives none, so the time columns match its pick.
     default_bandwidths = args.intra_bw is None or args.inter_bw is None
     intra_bw = planner.DEFAULT_INTRA_BW if args.intra_bw is None else args.intra_bw
@@ -330,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         result = planner.plan(_num_params(args, parser), args.world, args.node_size, args.grad_accum, args.dtype,
                               intra_bw, inter_bw, args.device_memory, args.memory_budget,
                               args.param_shard_size, args.grad_shard_size, args.optimizer_shard_size,
-                              args.grad_accum_dtype, moe=moe, offload_optimizer=args.offload_optimizer)
+                              args.grad_accum_dtype, moe=moe, offload_optimizer=args.offload_optimizer, sp=sp)
     except ValueError as exc:  # includes AsyncHZPConfigError for an invalid explicit layout
         parser.error(str(exc))
     if default_bandwidths:
