@@ -89,6 +89,16 @@ def test_moe_example_trains_autoep_experts_with_asynchzp(launcher_env):
     assert "[ds_asynchzp] expert:ep_size_2: d_p=2, d_g=2, d_o=2 over 2 ranks" in out, out[-4000:]
 
 
+def test_long_context_example_trains_with_ulysses_sp_and_asynchzp(launcher_env):
+    """examples/long_context_sp.py: ALST (Ulysses attention, its data-loader adapter, TiledMLP) with AsyncHZP through
+    the DeepSpeed API, sp 2 on 4 CPU ranks under the real launcher: the loss falls and the layout names the SP."""
+    out = _launch(launcher_env, "examples/long_context_sp.py", "--deepspeed_config", "examples/ds_config_sp.json",
+                  "--sp", "2", "--seq-len", "128", "--steps", "8", "--tiled-mlp", "2")
+    first, final = _assert_trained_with_asynchzp(out)
+    assert final < first - 0.5, (first, final)
+    assert "Ulysses sequence parallelism sp=2: its all-to-alls run inside a node" in out, out[-4000:]
+
+
 def test_hf_trainer_example_trains_with_the_hierarchical_optimizer(launcher_env):
     """HF Trainer (through Accelerate) calls plain deepspeed.initialize; ds_asynchzp.register() routes it."""
     out = _launch(launcher_env, "examples/hf_trainer.py", "--steps", "10")
