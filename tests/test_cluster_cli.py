@@ -254,6 +254,24 @@ def test_timeout_stops_a_command_that_runs_forever():
     assert namespaces(run.prefix) == []
 
 
+def test_a_deepspeed_command_gets_the_flags_each_node_needs():
+    """`deepspeed --no_ssh --num_gpus 2 train.py` alone ends in DeepSpeed's own "--node_rank is not set correctly" on
+    every node: the flags it lacks are added as placeholders, before the script; flags the script takes are its own;
+    a complete command and other launchers are left alone."""
+    words = ["deepspeed", "--num_gpus", "2", "train.py", "--hostfile", "mine", "--deepspeed_config", "c.json"]
+    completed, added = cli.complete_deepspeed_command(words)
+    assert added == ["--no_ssh", "--hostfile", "{hostfile}", "--node_rank", "{node_rank}", "--master_addr",
+                     "{master_addr}", "--master_port", "{master_port}"]
+    assert completed == ["deepspeed", *added, *words[1:]]
+    partial = ["/venv/bin/deepspeed", "--no_ssh", "--node_rank={node_rank}", "--hostfile", "{hostfile}", "t.py"]
+    assert cli.complete_deepspeed_command(partial)[1] == ["--master_addr", "{master_addr}", "--master_port",
+                                                          "{master_port}"]
+    full, _ = cli.complete_deepspeed_command(partial)
+    assert cli.complete_deepspeed_command(full) == (full, [])
+    assert cli.complete_deepspeed_command(["torchrun", "--nnodes", "2", "t.py"]) == (["torchrun", "--nnodes", "2",
+                                                                                      "t.py"], [])
+
+
 # ----- errors found before anything is built (no root needed) -------------------------------------------------
 
 @pytest.mark.parametrize("argv,message", [

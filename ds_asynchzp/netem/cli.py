@@ -4,12 +4,14 @@
         deepspeed --hostfile {hostfile} --no_ssh --node_rank {node_rank} --master_addr {master_addr} \\
         --master_port {master_port} --num_gpus 2 examples/train.py --deepspeed_config examples/ds_config_asynchzp.json
 
-Node i runs the command inside its network namespace of a :class:`~.cluster.Cluster` and in its own UTS and PID
-namespaces (hostname ``node<i>``, its own pid 1), so launchers, ranks and the peer monitor see separate machines
-that share only the filesystem. Output lines come back prefixed ``[node i]``; the exit code is the worst of the
-nodes'; the bytes that crossed each node link are printed at the end (and written to ``--bytes-out``). Every
-exit path (the command ending or failing, ``--timeout``, Ctrl-C / SIGTERM, an error here) stops every node process
-and removes the namespaces; if this process is SIGKILLed, the cluster's watchdog does. Needs root.
+A `deepspeed` command that lacks the flags of a node without ssh (``--no_ssh``, ``--hostfile``, ``--node_rank``,
+``--master_addr``, ``--master_port``) gets them added, as placeholders. Node i runs the command inside its network
+namespace of a :class:`~.cluster.Cluster` and in its own UTS and PID namespaces (hostname ``node<i>``, its own pid
+1), so launchers, ranks and the peer monitor see separate machines that share only the filesystem. Output lines come
+back prefixed ``[node i]``; the exit code is the worst of the nodes'; the bytes that crossed each node link are
+printed at the end (and written to ``--bytes-out``). Every exit path (the command ending or failing, ``--timeout``,
+Ctrl-C / SIGTERM, an error here) stops every node process and removes the namespaces; if this process is SIGKILLed,
+the cluster's watchdog does. Needs root.
 """
 
 from __future__ import annotations
@@ -112,6 +114,29 @@ def fill(words: list[str], values: dict) -> list[str]:
     """Replace the known {placeholders} only, so other braces (a `python -c` body, a JSON argument) pass through."""
     pattern = re.compile(r"\{(%s)\}" % "|".join(values))
     return [pattern.sub(lambda m: str(values[m.group(1)]), word) for word in words]
+
+
+# What DeepSpeed's launcher needs to start one node's ranks of a multi-node job without ssh.
+_DEEPSPEED_NODE_FLAGS = (("--hostfile", "{hostfile}"), ("--node_rank", "{node_rank}"),
+                         ("--master_addr", "{master_addr}"), ("--master_port", "{master_port}"))
+
+
+def complete_deepspeed_command(words: list[str]) -> tuple[list[str], list[str]]:
+    """A `deepspeed` launcher command with what each node needs added where it lacks it (`--no_ssh` and the
+    hostfile, node rank and master flags, as placeholders), right after the launcher's name, where the launcher's
+    own options go; and the words added. Any other command is returned as it is."""
+    if not words or os.path.basename(words[0]) != "deepspeed":
+        return words, []
+    # The launcher's options end at the script: only those count (the script may take flags of the same names).
+    script = next((i for i, word in enumerate(words[1:], 1) if not word.startswith("-")
+                   and not words[i - 1].startswith("--") or word.endswith(".py")), len(words))
+    options = words[1:script]
+    given = {word.split("=", 1)[0] for word in options if word.startswith("--")}
+    added = [] if "--no_ssh" in given else ["--no_ssh"]
+    for flag, placeholder in _DEEPSPEED_NODE_FLAGS:
+        if flag not in given:
+            added += [flag, placeholder]
+    return [words[0], *added, *words[1:]], added
 
 
 def write_hostfile(directory: Path, nodes: int, slots: int) -> Path:
@@ -310,6 +335,9 @@ class Runner:
 
     def _run_nodes(self, cluster: Cluster, workdir: Path) -> int:
         spec = self.spec
+        self.args.command, added = complete_deepspeed_command(self.args.command)
+        if added:
+            self.say(f"added to the deepspeed command on every node: {' '.join(added)}")
         hostfile = write_hostfile(workdir, spec.num_nodes, self.args.ranks_per_node)
         self.say(f"{spec.describe()}; node 0 at {spec.addresses[0]}:{self.args.master_port}; hostfile {hostfile}")
         before, start = cluster.read_link_bytes(), time.monotonic()
