@@ -26,7 +26,8 @@ def ds_config(spec: dict, hierarchical: bool) -> dict:
     config = {
         "train_micro_batch_size_per_gpu": spec["model"]["micro_batch"],
         "gradient_accumulation_steps": spec["gas"],
-        "optimizer": {"type": "AdamW", "params": {"lr": spec["lr"], "weight_decay": spec["weight_decay"]}},
+        "optimizer": {"type": "AdamW", "params": dict({"lr": spec["lr"], "weight_decay": spec["weight_decay"]},
+                                                      **({"eps": spec["eps"]} if "eps" in spec else {}))},
         "gradient_clipping": spec["clip"],
         "zero_optimization": dict({"stage": 3}, **spec["zero"]),
         "steps_per_print": 10**9,
@@ -47,12 +48,42 @@ def _gathered_param(model):
     return branch[0] if branch else next(model.parameters())
 
 
+def _sequence_parallel_state(sp: int):
+    """ALST's SP state (the mpu) with degree `sp`, set up anew when the degree changes; None for sp 1. DeepSpeed
+    keeps the mpu of the last engine built with one in `groups.mpu`: cleared, so a later case without SP is not
+    read as one."""
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+    from deepspeed.utils import groups
+
+    groups.mpu = None
+    if sp == 1:
+        return None
+    if parallel_state_sp._SEQUENCE_PARALLEL_GROUP is not None:
+        if parallel_state_sp.get_sequence_parallel_world_size() == sp:
+            return parallel_state_sp
+        parallel_state_sp._release_sequence_parallel_groups()
+    parallel_state_sp.initialize_sequence_parallel(sp)
+    return parallel_state_sp
+
+
+def _sp_batch(spec: dict, step: int, micro: int, rank: int, sp: int):
+    """The sequence of this rank's SP group (consecutive ranks) and this rank's slice of it."""
+    x, y = fuzz_models.batch(spec["model"], step, micro, rank // sp, spec["seed"])
+    part = slice(rank % sp * x.shape[1] // sp, (rank % sp + 1) * x.shape[1] // sp)
+    return x[:, part], y[:, part]
+
+
 def _train(spec: dict, hierarchical: bool) -> dict:
     rank = deepspeed.comm.get_rank()
+    sp = spec.get("sp", 1)
+    mpu = _sequence_parallel_state(sp)
     model = fuzz_models.build(spec["model"], seed=spec["seed"])
+    group = None if mpu is None else mpu.get_sequence_parallel_group()
+    if group is not None:
+        model.use_sequence_parallel_group(group)
     engine, *_ = ds_asynchzp.initialize(model=model, model_parameters=[p for p in model.parameters()
                                                                        if p.requires_grad],
-                                        config=ds_config(spec, hierarchical))
+                                        config=ds_config(spec, hierarchical), mpu=mpu)
     toggled = model.toggled_parameters()
     losses, outside_reads = [], []
     for step in range(spec["steps"]):
@@ -64,8 +95,13 @@ def _train(spec: dict, hierarchical: bool) -> dict:
                     _gathered_param(model).data.mul_(0.75)
         total = 0.0
         for micro in range(spec["gas"]):
-            x, y = fuzz_models.batch(spec["model"], step, micro, rank, spec["seed"])
-            loss = engine(x, y, step, micro, rank)
+            if group is None:
+                x, y = fuzz_models.batch(spec["model"], step, micro, rank, spec["seed"])
+                loss = engine(x, y, step, micro, rank)
+            else:  # ALST's recipe: the sequence's token-weighted loss over its SP group
+                x, y = _sp_batch(spec, step, micro, rank, sp)
+                loss = ds_asynchzp.sequence_parallel_loss(engine(x, y, step, micro, rank) * y.numel(), y.numel(),
+                                                          group)
             engine.backward(loss)
             engine.step()
             total += loss.item()
@@ -82,6 +118,7 @@ def _train(spec: dict, hierarchical: bool) -> dict:
     optimizer = type(engine.optimizer).__name__
     host_optimizer = type(engine.optimizer.optimizer).__name__
     engine.destroy()
+    _sequence_parallel_state(1)
     return {"losses": losses, "final": final, "outside_reads": outside_reads, "optimizer": optimizer,
             "host_optimizer": host_optimizer}
 
@@ -117,8 +154,17 @@ def planted(name: str):
         owner, attribute = grad_reduce.GradReduce, "reduce_bucket"
         original = owner.reduce_bucket
 
-        def replacement(self, params, comm_dtype, first=False):
-            return original(self, params, comm_dtype, first=False)
+        def replacement(self, params, comm_dtype, first=False, divisor=None):
+            return original(self, params, comm_dtype, first=False, divisor=divisor)
+    elif name == "sp_world_divisor":
+        # Under Ulysses SP, Stage 3's all-reduce path divides by the world, as its reduce-scatter path does, instead
+        # of stock's world / sp.
+        from ds_asynchzp.runtime import optimizer
+        owner, attribute = optimizer.HierarchicalZeroOptimizer, "_hzp_reduce_bucket"
+        original = owner._hzp_reduce_bucket
+
+        def replacement(self, params, comm_dtype, sp_divides=False):
+            return original(self, params, comm_dtype, sp_divides=False)
     elif name == "offload_every_param":
         # Every reduced parameter's summed gradient goes to the host at the boundary, as without offload, instead of
         # those stock's offload copies (the ones reduced in the window's last backward).

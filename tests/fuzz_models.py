@@ -13,7 +13,11 @@ parameter can be used, shared, skipped or frozen:
 * `scalar`        a 1-element gain;
 * `prime_bias`    a bias of prime length, longer than the width, of which only the first `dim` values are used;
 * `buffer`        a registered (non-parameter) buffer used in forward;
-* `checkpointed`  an mlp under activation checkpointing (torch.utils.checkpoint, reentrant or not).
+* `checkpointed`  an mlp under activation checkpointing (torch.utils.checkpoint, reentrant or not);
+* `ulysses`       causal attention under DeepSpeed's Ulysses sequence parallelism (`DistributedAttention`: the
+                  sequence split over the SP group, all-to-alls to a split of the heads and back), added to the
+                  cases drawn with `sp` 2 only: their ranks train in SP groups of 2 consecutive ranks, each on its
+                  slice of the group's sequence, with ALST's mpu and loss aggregation.
 
 Not drawn at random: `rank_gate`, a gain that a module running on every rank uses on rank 0 only, so that its
 gradient is None on the other ranks. Stock ZeRO-3 aborts on it (its reduce-scatter sizes differ across ranks);
@@ -83,8 +87,9 @@ def model_spec(rng: random.Random) -> dict:
             "seq_len": rng.choice([4, 8]), "micro_batch": rng.choice([1, 2])}
 
 
-def case_spec(seed: int, worlds=((4, 2), (4, 4), (8, 4), (8, 2))) -> dict:
-    """Everything one fuzz case trains: model, layout, knobs, accumulation, clipping, events, steps."""
+def case_spec(seed: int, worlds=((4, 2), (4, 4), (8, 4), (8, 2)), sequence_parallel: bool = True) -> dict:
+    """Everything one fuzz case trains: model, layout, knobs, accumulation, clipping, events, steps; with
+    `sequence_parallel` False, never Ulysses SP (the case is the same as drawn, without the SP draw)."""
     rng = random.Random(seed)
     world, node = worlds[rng.randrange(len(worlds))]
     d_p, d_g, d_o = rng.choice(valid_layouts(world, node))
@@ -108,6 +113,15 @@ def case_spec(seed: int, worlds=((4, 2), (4, 4), (8, 4), (8, 2))) -> dict:
     }
     # Drawn last, so the fields above stay what they were for every seed.
     spec["offload"] = rng.random() < 0.3
+    if rng.random() < 0.25 and sequence_parallel:
+        with_sequence_parallelism(spec, rng.randrange(len(spec["model"]["blocks"]) + 1))
+    return spec
+
+
+def with_sequence_parallelism(spec: dict, position: int, sp: int = 2) -> dict:
+    """The case trained with Ulysses SP of degree `sp`, an attention block at `position` (in place; returned)."""
+    spec["sp"] = sp
+    spec["model"]["blocks"].insert(position, {"kind": "ulysses", "hidden": 4, "bias": False})
     return spec
 
 
@@ -117,7 +131,8 @@ def describe(spec: dict) -> str:
     return (f"seed {spec['seed']}: {spec['world']} ranks in nodes of {spec['node_size']}, d_p={layout['param_shard_size']} "
             f"d_g={layout['grad_shard_size']} d_o={layout['optimizer_shard_size']}, {spec['knob_name']} knobs "
             f"{spec['zero']}, gas {spec['gas']}, clip {spec['clip']}, async {spec['async_comm']}, "
-            f"tied {spec['model']['tied']}, offload {bool(spec.get('offload'))}, blocks {kinds}")
+            f"tied {spec['model']['tied']}, offload {bool(spec.get('offload'))}, sp {spec.get('sp', 1)}, "
+            f"blocks {kinds}")
 
 
 # ------------------------------------------------------------------------------------------------ the model
@@ -162,6 +177,11 @@ class _Block(nn.Module):
         elif kind == "buffer":
             self.register_buffer("scale", torch.linspace(0.5, 1.5, dim))
             self.square = nn.Linear(dim, dim, bias=False)
+        elif kind == "ulysses":
+            # Two heads of `hidden` values: one per rank of an SP group of 2 after the all-to-all.
+            self.qkv = nn.Linear(dim, 3 * ULYSSES_HEADS * spec["hidden"], bias=spec["bias"])
+            self.out = nn.Linear(ULYSSES_HEADS * spec["hidden"], dim, bias=spec["bias"])
+            self.attention = None      # set by FuzzModel.use_sequence_parallel_group
 
     def forward(self, h, step: int, micro: int, rank: int):
         kind = self.kind
@@ -186,7 +206,20 @@ class _Block(nn.Module):
             return h + self.bias[:h.shape[-1]]
         if kind == "buffer":
             return h + 0.5 * torch.tanh(self.square(h) * self.scale)
+        if kind == "ulysses":
+            q, k, v = self.qkv(h).unflatten(-1, (3, ULYSSES_HEADS, self.spec["hidden"])).unbind(2)
+            context = self.attention(q, k, v, 0) if self.attention is not None else _causal_attention(q, k, v)
+            return h + 0.5 * self.out(context.flatten(-2))
         raise ValueError(kind)
+
+
+ULYSSES_HEADS = 2
+
+
+def _causal_attention(q, k, v):
+    """[batch, seq, heads, dim] in and out."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+    return out.transpose(1, 2)
 
 
 class FuzzModel(nn.Module):
@@ -214,6 +247,14 @@ class FuzzModel(nn.Module):
             h = block(h, step, micro, rank)
         logits = self.head(self.norm(h))
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+
+    def use_sequence_parallel_group(self, group) -> None:
+        """Ulysses blocks attend over the whole sequence, split over `group` (DeepSpeed's DistributedAttention)."""
+        from deepspeed.sequence.layer import DistributedAttention
+
+        for block in self.blocks:
+            if block.kind == "ulysses":
+                block.attention = DistributedAttention(_causal_attention, group, scatter_idx=2, gather_idx=1)
 
     def toggled_parameters(self) -> list:
         return [p for b in self.blocks if b.kind == "toggle" for p in b.parameters()]
