@@ -214,7 +214,9 @@ class BufferPool:
                 free = self._free.get(klass, [])
                 budget = self._peak_count.get(klass, 0) - self._count.get(klass, 0)
                 usable = [e for e in free if e.touched and e.users() == 0]
-                keep = {id(e) for e in sorted(usable, key=lambda e: -e.base.numel())[:max(budget, 0)]}
+                # The largest first; among equals the most recently given back, as `acquire` prefers them.
+                ranked = sorted(reversed(usable), key=lambda e: -e.base.numel())
+                keep = {id(e) for e in ranked[:max(budget, 0)]}
                 kept = []
                 for entry in free:
                     if id(entry) in keep:
