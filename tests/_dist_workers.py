@@ -345,6 +345,9 @@ def train_case(case: dict) -> dict:
             steps[-1]["prefetch"] = dict(engine.optimizer.hzp_gather.stats)
         if hasattr(engine.optimizer, "hzp_buffer_allocations"):
             steps[-1]["buffer_allocations"] = sum(engine.optimizer.hzp_buffer_allocations().values())
+            # The gather pool after the step's trim: what it owns, and the bound that trim stated.
+            pool = engine.optimizer.hzp_pool
+            steps[-1]["pool_owned_bytes"], steps[-1]["pool_bound_bytes"] = pool.owned_bytes, pool.bound_bytes
         if case.get("check_shards"):
             # Its gathers are an inspection, not training traffic: tagged, and left out of the step's bytes.
             with ledger.tagged(CHECK_TAG):

@@ -42,8 +42,10 @@ def planted(fault):
 
         def release_without_events(self, buffer, events=()):
             release(self, buffer, [])
-            entries = self._free[(buffer.numel(), buffer.dtype, str(buffer.device))]
-            entries[-1] = (entries[-1][0], [], False)
+            for entries in self._free.values():
+                for entry in entries:
+                    if entry.base.data_ptr() == buffer.data_ptr():
+                        entry.referenced = False
         patch(BufferPool, "release", release_without_events)
     elif fault == "grad_keep_alive":
         # 2: the gradient autograd made is dropped without record_stream.

@@ -442,7 +442,7 @@ def test_package_buffers_table_shows_each_kind_its_total_and_the_model_states(tm
     assert row["total MB"] == "8.875" and row["total, largest rank MB"] == "9.000"
     assert row["model states MB"] == "5.500" and row["buffers / model states"] == f"{8.875 / 5.5:.3f}"
     section = text.split("## Package buffers per rank", 1)[1].split("\n## ", 1)[0]
-    assert "one per distinct parameter size" in section and "Not shown: zero3, hpz" in section
+    assert "trimmed once per step" in section and "Not shown: zero3, hpz" in section
     # Results that predate the figure: no section.
     del ours["package_buffer_bytes"]
     assert "## Package buffers" not in report.write_report(results, tmp_path).read_text(encoding="utf-8")

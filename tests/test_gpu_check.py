@@ -141,6 +141,6 @@ def test_the_report_shows_the_asynchzp_arms_package_buffers(tmp_path):
     assert row["arm"] == "sync" and row["gather pool owned MiB"] == "3" and row["grad staging ring MiB"] == "4"
     assert row["host-copy fp32 MiB"] == "1" and row["total MiB"] == "10"
     assert row["model states MiB"] == "40" and row["max allocated MiB"] == "100"
-    assert "one per distinct parameter size" in table
+    assert "trimmed once per step" in table
     assert "package buffers per rank" not in _by_name(cli._training_checks({"zero3": _ranks([2.0])}, {}, None, 2,
                                                                             "nccl"))

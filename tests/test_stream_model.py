@@ -104,6 +104,44 @@ def test_record_stream_or_a_host_sync_keeps_freed_memory_safe(model):
     assert model.finish() == []
 
 
+def test_the_pool_frees_a_buffer_only_after_its_allocating_stream_waits_for_its_readers(model, monkeypatch):
+    """A pool buffer allocated on DeepSpeed's side stream (where the coordinator asks for gathers), written by the
+    gather stream and read by compute, then left unused for a whole step: the trim gives it back to the allocator
+    only after the allocating stream waits on its release events. Planted: the trim frees it with no wait."""
+    import types
+
+    from ds_asynchzp.platform import streams
+    from ds_asynchzp.state import buffer_pool
+
+    acc = _accelerator()
+    side, gather = acc.Stream(), acc.Stream()
+    for planted in (False, True):
+        if planted:
+            monkeypatch.setattr(buffer_pool, "streams", types.SimpleNamespace(
+                record=streams.record, current=streams.current, wait=lambda events, stream=None: None))
+        pool = buffer_pool.BufferPool()
+        compute = acc.current_stream()
+        with acc.stream(side):
+            buffer, events = pool.acquire(1000, torch.float32, "cpu", readers_stream=compute)
+        for event in events:
+            gather.wait_event(event)
+        with acc.stream(gather):
+            buffer.fill_(1)                     # the gather's write
+            written = acc.Event()
+            written.record()
+        compute.wait_event(written)
+        buffer.sum()                            # the module's read, on compute
+        pool.release(buffer, [compute.record_event()])
+        del buffer
+        pool.trim()                             # used during this step: kept
+        assert pool.frees == 0
+        pool.trim()                             # unused for a whole step: freed
+        assert pool.frees == 1 and pool.owned_bytes == 0
+        torch.zeros(1)                          # the next kernel sees the free
+        # Planted: both the gather's write and compute's read are unordered with the allocator's reuse.
+        assert {v.kind for v in model.finish()} == ({"free-while-in-use"} if planted else set())
+
+
 def test_a_new_block_is_written_elsewhere_only_after_its_allocating_streams_earlier_kernels(model):
     """The caching allocator hands out a block freed on a stream at once: a writer on another stream waits for an
     event recorded on the allocating stream after the allocation."""

@@ -21,13 +21,14 @@ KIND_LABELS = {
 }
 
 KIND_LEGEND = (
-    "Gather pool owned: the buffers full parameters are gathered into for compute (`BufferPool`), one per distinct "
-    "parameter size and per concurrent use, kept for the whole run; pool in use: those handed out when measured "
+    "Gather pool owned: the buffers full parameters are gathered into for compute (`BufferPool`), per size class "
+    "as many as were in use at once during the last optimizer step (each less than twice its request), trimmed "
+    "once per step; pool in use: those handed out when measured "
     "(persistent parameters stay gathered); pool peak in use: the most handed out at once, what the run needed of "
     "what the pool keeps. "
     "Grad staging ring: the reduce flow's 4 send slots (`StagingRing`), each as large as the largest gradient "
-    "bucket packed so far, laid out for the d_g members in the communication dtype. "
-    "Gather scratch: the gather flow's send and receive buffers, as large as the largest (coalesced) gather so far. "
+    "bucket of the last step or this one, laid out for the d_g members in the communication dtype. "
+    "Gather scratch: the gather flow's send and receive buffers, as large as the largest (coalesced) gather of the last step or this one. "
     "Reduce scratch: each family's receive buffer of its bucket reductions, its largest bucket's share. "
     "Boundary scratch: the step boundary's buffers for one column chunk of the cross-node gradient sum and of the "
     "parameter refresh. "

@@ -17,13 +17,12 @@ a lone send/recv pair creates a communicator per rank pair, and a cycle of them 
 from __future__ import annotations
 
 import time
-from typing import Optional
-
 import torch
 
 from ..accounting import ledger
 from ..platform.deepspeed_internals import backend_name, comm_backend, ds_comm
 from ..platform.process_groups import Group
+from ..state.scratch import Scratch
 from . import delay_injection
 
 _NOTHING = object()
@@ -108,15 +107,10 @@ def backend_reduce_scatter_is_optimal(group: Group) -> bool:
     return backend_name(group.handle) != "gloo"
 
 
-def scratch(pool: dict, key: str, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """A reusable flat buffer of at least `numel` elements: allocated once per (key, dtype), grown only when a
-    larger request comes, so the steady state allocates nothing. `pool["allocations"]` counts allocations."""
-    buffer: Optional[torch.Tensor] = pool.get((key, dtype))
-    if buffer is None or buffer.numel() < numel or buffer.device != torch.device(device):
-        buffer = torch.empty(numel, dtype=dtype, device=device)
-        pool[(key, dtype)] = buffer
-        pool["allocations"] = pool.get("allocations", 0) + 1
-    return buffer.narrow(0, 0, numel)
+def scratch(pool: Scratch, key: str, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """A reusable flat buffer of `numel` elements from the flow's scratch (`state.scratch`): allocated once per
+    (key, dtype), grown only when a larger request comes, trimmed once per optimizer step."""
+    return pool.get(key, numel, dtype, device)
 
 
 def warm_up_groups(creation_order, device) -> None:

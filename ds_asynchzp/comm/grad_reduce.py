@@ -33,6 +33,7 @@ from ..platform.process_groups import Group
 from ..quantization import QuantFormat
 from ..state.buffer_pool import StagingRing
 from ..state.grad_shards import GradShards
+from ..state.scratch import Scratch
 from . import quantized
 from .collectives import all_gather, all_reduce, reduce_scatter, scratch
 
@@ -132,7 +133,7 @@ class GradReduce:
         self.runner = runner
         # Four buckets in flight let one micro-step's reductions run on into the next forward.
         self.staging = StagingRing(slots=4)
-        self.scratch = {}            # receive buffer, used only inside reduce jobs
+        self.scratch = Scratch()          # receive buffer, used only inside reduce jobs
         self.inflight: List = []     # jobs not yet waited for, in submission order
 
     def reduce_bucket(self, params: Sequence[torch.nn.Parameter], comm_dtype: torch.dtype, first: bool = False,

@@ -45,6 +45,7 @@ from ..platform.deepspeed_internals import mark_available, mark_inflight
 from ..platform.process_groups import Group
 from ..quantization import QuantFormat
 from ..state.buffer_pool import BufferPool
+from ..state.scratch import Scratch
 from ..state.param_shards import ParamShards
 from . import quantized
 from .collectives import all_gather, scratch
@@ -107,7 +108,7 @@ class ParamGather:
         self.prefetch_depth = prefetch_depth if runner.is_async else 0
         self.compute = streams.current()           # where published parameters are read; see new_sequence
         self.leases: Dict[int, torch.Tensor] = {}  # ds_id -> pool buffer its published full value lives in
-        self.scratch = {}                          # send/receive buffers, used only inside gather jobs
+        self.scratch = Scratch()                        # send/receive buffers, used only inside gather jobs
         self._source_of: Dict[int, GatherSource] = {}
         self._recording: List[Tuple[Key, List[torch.nn.Parameter]]] = []
         self._replay: List[Tuple[Key, List[torch.nn.Parameter]]] = []

@@ -44,6 +44,7 @@ from ..platform import streams
 from ..quantization import NO_QUANTIZATION, QuantizationPlan
 from ..platform.process_groups import ProcessGroups
 from ..state.error_feedback import ErrorFeedback
+from ..state.scratch import Scratch
 from ..state.grad_shards import GradShards, Window
 from ..state.sharded_buffer import ShardedBuffer
 from . import quantized
@@ -114,7 +115,7 @@ class StepBoundary:
         # With optimizer offload: `after_sum(index, start, end, members)`, asked on the training thread when a chunk
         # is submitted, gives what the chunk job runs once its sum is done (the copy to the host), or None.
         self.after_sum = after_sum
-        self.scratch = {}                 # used only inside boundary jobs
+        self.scratch = Scratch()               # used only inside boundary jobs
         self._grad_chunks: Optional[_Chunks] = None
         self._grad_jobs: Dict[int, object] = {}       # chunk index -> job, this window
         self._waiting: List[set] = []                 # per chunk: parameters whose bucket is not submitted yet

@@ -20,12 +20,6 @@ HELD = ("gathered_params_owned", "grad_staging", "gather_scratch", "reduce_scrat
         "error_feedback", "host_copy_staging")
 
 
-def _scratch_bytes(pool: dict) -> int:
-    # A scratch dict (`comm.collectives.scratch`) holds its buffers under (key, dtype) and a count under
-    # "allocations"; its flow's thread may grow it meanwhile, so it is read from a copy.
-    return sum(t.numel() * t.element_size() for t in list(pool.values()) if isinstance(t, torch.Tensor))
-
-
 def _host_copy_staging(optimizer) -> int:
     """With optimizer offload, the largest fp32 temporary of a chunk's copy to the host (`comm.host_copy`: the own
     columns cast on the device before the copy): at most the widest gradient chunk's columns x 4 bytes. A gradient
@@ -44,9 +38,9 @@ def buffer_bytes(optimizer) -> Dict[str, int]:
     out = {"gathered_params_owned": pool.owned_bytes, "gathered_params_in_use": pool.in_use_bytes,
            "gathered_params_peak_in_use": pool.peak_in_use_bytes,
            "grad_staging": sum(p.reduce.staging.nbytes() for p in trainable),
-           "gather_scratch": _scratch_bytes(optimizer.hzp_gather.scratch),
-           "reduce_scratch": sum(_scratch_bytes(p.reduce.scratch) for p in trainable),
-           "boundary_scratch": sum(_scratch_bytes(p.boundary.scratch) for p in optimizer.hzp_placements),
+           "gather_scratch": optimizer.hzp_gather.scratch.nbytes(),
+           "reduce_scratch": sum(p.reduce.scratch.nbytes() for p in trainable),
+           "boundary_scratch": sum(p.boundary.scratch.nbytes() for p in optimizer.hzp_placements),
            "error_feedback": sum(p.error_feedback.nbytes() for p in optimizer.hzp_placements
                                  if p.error_feedback is not None),
            "host_copy_staging": _host_copy_staging(optimizer)}
@@ -65,6 +59,6 @@ def buffer_allocations(optimizer) -> Dict[str, int]:
     trainable = optimizer._hzp_trainable_placements()
     return {"gathered_params": optimizer.hzp_pool.allocations,
             "grad_staging": sum(p.reduce.staging.allocations for p in trainable),
-            "gather_scratch": optimizer.hzp_gather.scratch.get("allocations", 0),
-            "reduce_scratch": sum(p.reduce.scratch.get("allocations", 0) for p in trainable),
-            "boundary_scratch": sum(p.boundary.scratch.get("allocations", 0) for p in optimizer.hzp_placements)}
+            "gather_scratch": optimizer.hzp_gather.scratch.allocations,
+            "reduce_scratch": sum(p.reduce.scratch.allocations for p in trainable),
+            "boundary_scratch": sum(p.boundary.scratch.allocations for p in optimizer.hzp_placements)}

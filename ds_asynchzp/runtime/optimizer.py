@@ -58,7 +58,7 @@ from ..platform.deepspeed_internals import (STAGE3_AVG_SCATTER_CONTIGUOUS_GRADS,
                                   rehome_stage3_grad_partitions, rehome_stage3_param_flats, repartition,
                                   restore_param_hooks, stage3_bucket_params, stage3_persistent_parameters,
                                   stage3_prefetches, stage3_side_stream, stage3_sub_groups)
-from . import buffer_bytes
+from . import buffer_bytes, buffer_trim
 from .gradient_readers import GradientReaders
 from .host_offload import HostOffload
 from .placement import Family, families_of
@@ -476,6 +476,8 @@ class HierarchicalZeroOptimizer(GradientReaders, DeepSpeedZeroOptimizer_Stage3):
         # The previous refresh reads the own atoms the step is about to overwrite.
         for placement in self.hzp_placements:
             placement.boundary.wait_refresh()
+        # Every flow is quiet here, once per step (also when the step is skipped for an overflow).
+        buffer_trim.trim_buffers(self)
         self._hzp_in_step = True
         try:
             return super().step(closure)
