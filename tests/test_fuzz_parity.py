@@ -174,13 +174,7 @@ def sp_planted_specs() -> list:
 
 def test_sequence_parallelism_trains_as_stock_zero3_with_the_same_sp(ci_results):
     """Ulysses SP on both sides: losses within 1e-6 and parameters within 5e-6 of stock, over the layouts above."""
-    keys = [int(s.get("key", s["seed"])) for s in sp_specs() + [SP_EPS_CASE]]
-    found = failures({k: ci_results[k] for k in keys})
-    assert not found, _report(found)
-    for key in keys:
-        first = ci_results[key][1][0]
-        assert "stock_error" not in first, first["stock_error"]
-        assert first["optimizer"] == "HierarchicalZeroOptimizer"
+    _assert_trained_as_stock(ci_results, sp_specs() + [SP_EPS_CASE])
 
 
 def test_the_fuzzer_catches_a_planted_sequence_parallel_defect(ci_results):
@@ -285,15 +279,20 @@ def test_the_fuzzer_catches_a_planted_defect(ci_results, plant):
 def test_optimizer_offload_trains_as_stock_zero3_with_offload(ci_results):
     """With `offload_optimizer: cpu` on both sides: losses within 1e-6 and parameters within 5e-6 of stock, over
     the layouts above; both step with DeepSpeedCPUAdam."""
-    specs = offload_specs()
+    for first in _assert_trained_as_stock(ci_results, offload_specs()):
+        assert first["host_optimizer"] == first["stock_host_optimizer"] == "DeepSpeedCPUAdam"
+
+
+def _assert_trained_as_stock(ci_results: dict, specs: list) -> list:
+    """Every spec compared with stock (none refused by it) and within the tolerances; rank 0's results."""
     keys = [int(s.get("key", s["seed"])) for s in specs]
     found = failures({k: ci_results[k] for k in keys})
     assert not found, _report(found)
-    for key in keys:
-        first = ci_results[key][1][0]
+    firsts = [ci_results[key][1][0] for key in keys]
+    for first in firsts:
         assert "stock_error" not in first, first["stock_error"]
         assert first["optimizer"] == "HierarchicalZeroOptimizer"
-        assert first["host_optimizer"] == first["stock_host_optimizer"] == "DeepSpeedCPUAdam"
+    return firsts
 
 
 RANK_GATE_SEEDS = (950, 951)

@@ -284,8 +284,7 @@ class HierarchicalZeroOptimizer(GradientReaders, DeepSpeedZeroOptimizer_Stage3):
 
     # ----------------------------------------------------------------------------- per micro-step
     @torch.no_grad()
-    def _hzp_reduce_bucket(self, params_to_reduce, communication_data_type: torch.dtype, sp_divides: bool = False
-                           ) -> list:
+    def _hzp_reduce_bucket(self, params_to_reduce, communication_data_type, sp_divides: bool = False) -> list:
         """Replaces Stage 3's bucket reduce-scatter over the world: reduce inside the family's grad shard group,
         in the background; in the last backward of the window, start each completed chunk's cross-node sum.
         `sp_divides`: divide by world / sp, not the world (Stage 3's all-reduce path under Ulysses SP)."""
