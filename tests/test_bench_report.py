@@ -248,6 +248,31 @@ def test_main_regenerates_the_report_from_a_results_file(tmp_path, capsys):
     assert "report.md" in capsys.readouterr().out
 
 
+def test_archived_records_are_smaller_and_read_back_by_the_report_and_the_planner(tmp_path, capsys):
+    """`python -m ds_asynchzp.bench.records archive DIR` gzips every results.json under DIR (deterministically);
+    the report and the readers that name results.json find the .gz and read the same records."""
+    from ds_asynchzp.bench import records
+
+    results = synthetic_results(optional=True)
+    for run in ("a", "b/sweep"):
+        (tmp_path / run).mkdir(parents=True)
+        (tmp_path / run / "results.json").write_text(json.dumps(results, indent=2), encoding="utf-8")
+    assert records.main(["archive", str(tmp_path)]) == 0
+    archived = sorted(tmp_path.rglob("results.json*"))
+    assert [p.name for p in archived] == ["results.json.gz", "results.json.gz"]
+    assert "archived 2 results.json" in capsys.readouterr().out
+    assert all(p.stat().st_size < len(json.dumps(results, indent=2)) / 3 for p in archived)
+    assert records.read_results(tmp_path / "a" / "results.json") == results == records.read_results(archived[0])
+    first = archived[0].read_bytes()
+    (tmp_path / "a" / "results.json").write_text(json.dumps(results, indent=2), encoding="utf-8")
+    records.archive(tmp_path / "a")
+    assert archived[0].read_bytes() == first                       # the same records, the same bytes
+    assert report.main([str(archived[0]), "--out", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "report.md").is_file()
+    with pytest.raises(SystemExit):
+        records.main(["archive", str(tmp_path / "missing")])
+
+
 def test_report_does_not_modify_its_input(tmp_path):
     results = synthetic_results(optional=True)
     before = copy.deepcopy(results)

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from .buffer_table import format_buffer_table
+from .records import read_results
 from .timeline_plot import plot_timelines
 from .table import (HOST_COLUMNS, LAYOUT_LEGEND, MB, REFERENCE_ARM, host_cells, host_legend, layout_cells,
                     max_rel_loss_diff, memory_roles, role_bytes, shows_host_overhead)
@@ -557,11 +558,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m ds_asynchzp.bench.report",
         description="Regenerate report.md and its plots from an asynchzp-bench results.json.")
-    parser.add_argument("results", type=Path, help="results.json written by asynchzp-bench")
+    parser.add_argument("results", type=Path, help="results.json written by asynchzp-bench (or its archived .gz)")
     parser.add_argument("--out", type=Path, default=None, help="output directory (default: next to RESULTS)")
     args = parser.parse_args(argv)
     try:
-        results = json.loads(args.results.read_text(encoding="utf-8"))
+        results = read_results(args.results)
     except (OSError, json.JSONDecodeError) as exc:
         parser.error(f"cannot read {args.results}: {exc}")
     path = write_report(results, args.out or args.results.parent)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from .. import planner
 from ..accounting.sizing import BYTES_PER_GB
+from ..bench.records import read_results
 from . import offload as offload_plan
 from . import sequence_parallel as sp_plan
 from .moe import MoeInputs
@@ -316,7 +317,7 @@ def run_sweep_check(path: str, as_json: bool) -> int:
 
 def run_check(path: str, as_json: bool) -> int:
     try:
-        results = json.loads(Path(path).read_text(encoding="utf-8"))
+        results = read_results(path)
         if isinstance(results, dict) and "runs" in results and "rates" in results:
             return run_sweep_check(path, as_json)
         report = planner.check_results(results)

@@ -34,6 +34,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..bench.records import read_results
+
 TIME_RTOL = 0.20  # predicted step time against the measured one, relative
 
 
@@ -98,8 +100,7 @@ def load_sweep(path: Path) -> dict:
     read in (``results[rate]``)."""
     sweep = json.loads(Path(path).read_text(encoding="utf-8"))
     base = Path(path).parent
-    sweep["results"] = {rate: json.loads((base / rel).read_text(encoding="utf-8"))
-                        for rate, rel in sweep["runs"].items()}
+    sweep["results"] = {rate: read_results(base / rel) for rate, rel in sweep["runs"].items()}
     return sweep
 
 
