@@ -7,7 +7,6 @@ import gc
 import pytest
 import torch
 
-from ds_asynchzp.comm.collectives import scratch
 from ds_asynchzp.state.buffer_pool import BufferPool, StagingRing
 from ds_asynchzp.state.scratch import Scratch
 
@@ -62,12 +61,12 @@ def test_staging_ring_bytes_are_every_slot_at_the_largest_capacity():
 
 def test_scratch_bytes_count_every_buffer_once():
     pool = Scratch()
-    scratch(pool, "send", 10, torch.float32, "cpu")
-    scratch(pool, "send", 4, torch.float32, "cpu")       # fits: reused
-    scratch(pool, "recv", 3, torch.bfloat16, "cpu")
+    pool.get("send", 10, torch.float32, "cpu")
+    pool.get("send", 4, torch.float32, "cpu")       # fits: reused
+    pool.get("recv", 3, torch.bfloat16, "cpu")
     assert pool.allocations == 2
     assert pool.nbytes() == 10 * 4 + 3 * 2
-    scratch(pool, "send", 20, torch.float32, "cpu")      # grown: the larger one replaces it
+    pool.get("send", 20, torch.float32, "cpu")      # grown: the larger one replaces it
     assert pool.nbytes() == 20 * 4 + 3 * 2
 
 

@@ -17,12 +17,12 @@ a lone send/recv pair creates a communicator per rank pair, and a cycle of them 
 from __future__ import annotations
 
 import time
+
 import torch
 
 from ..accounting import ledger
 from ..platform.deepspeed_internals import backend_name, comm_backend, ds_comm
 from ..platform.process_groups import Group
-from ..state.scratch import Scratch
 from . import delay_injection
 
 _NOTHING = object()
@@ -105,12 +105,6 @@ def backend_reduce_scatter_is_optimal(group: Group) -> bool:
     if group.size == 1:
         return True
     return backend_name(group.handle) != "gloo"
-
-
-def scratch(pool: Scratch, key: str, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """A reusable flat buffer of `numel` elements from the flow's scratch (`state.scratch`): allocated once per
-    (key, dtype), grown only when a larger request comes, trimmed once per optimizer step."""
-    return pool.get(key, numel, dtype, device)
 
 
 def warm_up_groups(creation_order, device) -> None:

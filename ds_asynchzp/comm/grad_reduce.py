@@ -35,7 +35,7 @@ from ..state.buffer_pool import StagingRing
 from ..state.grad_shards import GradShards
 from ..state.scratch import Scratch
 from . import quantized
-from .collectives import all_gather, all_reduce, reduce_scatter, scratch
+from .collectives import all_gather, all_reduce, reduce_scatter
 
 
 def pack_transposed(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -133,7 +133,7 @@ class GradReduce:
         self.runner = runner
         # Four buckets in flight let one micro-step's reductions run on into the next forward.
         self.staging = StagingRing(slots=4)
-        self.scratch = Scratch()          # receive buffer, used only inside reduce jobs
+        self.scratch = Scratch()     # receive buffer, used only inside reduce jobs
         self.inflight: List = []     # jobs not yet waited for, in submission order
 
     def reduce_bucket(self, params: Sequence[torch.nn.Parameter], comm_dtype: torch.dtype, first: bool = False,
@@ -163,10 +163,10 @@ class GradReduce:
                 check_same_bucket(params, self.check_group, self.names, self.check_tag)
             with ledger.tagged(self.tag):
                 if self.quantize is not None:
-                    mine = scratch(self.scratch, "recv_fp32", width, torch.float32, send.device)
+                    mine = self.scratch.get("recv_fp32", width, torch.float32, send.device)
                     quantized.reduce_scatter(mine, send, self.group, self.quantize, self.scratch, segments=sizes)
                 elif self.use_reduce_scatter:
-                    mine = scratch(self.scratch, "recv", width, comm_dtype, send.device)
+                    mine = self.scratch.get("recv", width, comm_dtype, send.device)
                     reduce_scatter(mine, send.view(-1), self.group).wait()
                 else:
                     # zero_optimization.reduce_scatter = false: the same sum through an all-reduce, as stock does.

@@ -48,7 +48,7 @@ from ..state.buffer_pool import BufferPool
 from ..state.scratch import Scratch
 from ..state.param_shards import ParamShards
 from . import quantized
-from .collectives import all_gather, scratch
+from .collectives import all_gather
 
 Key = Tuple[int, ...]
 
@@ -108,7 +108,7 @@ class ParamGather:
         self.prefetch_depth = prefetch_depth if runner.is_async else 0
         self.compute = streams.current()           # where published parameters are read; see new_sequence
         self.leases: Dict[int, torch.Tensor] = {}  # ds_id -> pool buffer its published full value lives in
-        self.scratch = Scratch()                        # send/receive buffers, used only inside gather jobs
+        self.scratch = Scratch()                   # send/receive buffers, used only inside gather jobs
         self._source_of: Dict[int, GatherSource] = {}
         self._recording: List[Tuple[Key, List[torch.nn.Parameter]]] = []
         self._replay: List[Tuple[Key, List[torch.nn.Parameter]]] = []
@@ -224,8 +224,8 @@ class ParamGather:
         data = plans[0][2].data
         # One pass each way: the shard rows of every parameter into the send buffer, and the gathered
         # [d_p, width] block into each parameter's pool buffer in atom order (the local transpose).
-        send = ops.pack([plan[5] for plan in plans], out=scratch(self.scratch, "send", width, data.dtype, data.device))
-        recv = scratch(self.scratch, "recv", d_p * width, data.dtype, data.device)
+        send = ops.pack([plan[5] for plan in plans], out=self.scratch.get("send", width, data.dtype, data.device))
+        recv = self.scratch.get("recv", d_p * width, data.dtype, data.device)
         if fmt is not None:
             quantized.all_gather(recv, send, group, fmt, self.scratch, segments=[rows * a for a in atoms])
         else:

@@ -16,7 +16,7 @@ the pure-torch reference otherwise, same results):
 * `all_reduce`: `reduce_scatter` of 1/n slices, then `all_gather` of the sums (its blocks may span segments:
   the slices are cut by size, not by parameter).
 
-Buffers come from the caller's scratch pool (`collectives.scratch`): no allocation in steady state.
+Buffers come from the caller's scratch (`state.scratch.Scratch`): no allocation in steady state.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from .. import ops
 from ..accounting import ledger
 from ..quantization import SCALE_BYTES, QuantFormat
 from ..platform.process_groups import Group
+from ..state.scratch import Scratch
 from .collectives import all_gather as _all_gather
 from .collectives import all_to_all as _all_to_all
-from .collectives import scratch
 
 
 class RowLayout:
@@ -77,7 +77,7 @@ def _layout(fmt: QuantFormat, n: int, segments: Optional[Sequence[int]]) -> RowL
     return layout
 
 
-def _quantize_rows(src: torch.Tensor, out: torch.Tensor, layout: RowLayout, pool: dict,
+def _quantize_rows(src: torch.Tensor, out: torch.Tensor, layout: RowLayout, pool: Scratch,
                    residual: Optional[torch.Tensor]) -> None:
     """Quantize each row of src [k, n] into out [k, row_bytes]; with `residual` [k, n] fp32, quantize
     src + residual and keep what the quantization dropped in residual."""
@@ -91,7 +91,7 @@ def _quantize_rows(src: torch.Tensor, out: torch.Tensor, layout: RowLayout, pool
             row = src[j, start:start + length]
             if row.dtype not in ops.FLOAT_DTYPES or residual is not None:
                 # fp16 (the ops take fp32 and bf16), or the compensated row of error feedback, staged in fp32.
-                staged = scratch(pool, "q_staged", length, torch.float32, src.device)
+                staged = pool.get("q_staged", length, torch.float32, src.device)
                 staged.copy_(row)
                 if residual is not None:
                     staged.add_(residual[j, start:start + length])
@@ -105,17 +105,17 @@ def _quantize_rows(src: torch.Tensor, out: torch.Tensor, layout: RowLayout, pool
 
 
 def _into(op, out: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat, length: int,
-          pool: dict) -> None:
+          pool: Scratch) -> None:
     """`op` (ops.dequantize or ops.dequantize_reduce) into `out`; through fp32 scratch where `out` is fp16 or
     strided (the ops write fp32 or bf16, contiguous)."""
     if out.dtype in ops.FLOAT_DTYPES and out.is_contiguous():
         op(values, scales, fmt.bits, fmt.block_size, numel=length, out=out)
     else:
         out.copy_(op(values, scales, fmt.bits, fmt.block_size, numel=length,
-                     out=scratch(pool, "q_out", length, torch.float32, out.device)))
+                     out=pool.get("q_out", length, torch.float32, out.device)))
 
 
-def reduce_scatter(out: torch.Tensor, send: torch.Tensor, group: Group, fmt: QuantFormat, pool: dict,
+def reduce_scatter(out: torch.Tensor, send: torch.Tensor, group: Group, fmt: QuantFormat, pool: Scratch,
                    residual: Optional[torch.Tensor] = None, segments: Optional[Sequence[int]] = None) -> None:
     """out [n] (fp32 or bf16) = sum over members m of member m's send[group.rank]; send is [group.size, n].
     Synchronous (it runs inside a communication thread's job)."""
@@ -126,9 +126,9 @@ def reduce_scatter(out: torch.Tensor, send: torch.Tensor, group: Group, fmt: Qua
     if n == 0:
         return
     layout = _layout(fmt, n, segments)
-    packed = scratch(pool, "q_send", k * layout.row_bytes, torch.uint8, send.device)
+    packed = pool.get("q_send", k * layout.row_bytes, torch.uint8, send.device)
     _quantize_rows(send, packed, layout, pool, residual)
-    received = scratch(pool, "q_recv", k * layout.row_bytes, torch.uint8, send.device)
+    received = pool.get("q_recv", k * layout.row_bytes, torch.uint8, send.device)
     with ledger.carrying_scales(layout.scale_share):
         _all_to_all(received, packed, group).wait()
     rows = received.view(k, layout.row_bytes)
@@ -138,7 +138,7 @@ def reduce_scatter(out: torch.Tensor, send: torch.Tensor, group: Group, fmt: Qua
         _into(ops.dequantize_reduce, out[start:start + length], values, scales, fmt, length, pool)
 
 
-def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, fmt: QuantFormat, pool: dict,
+def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, fmt: QuantFormat, pool: Scratch,
                segments: Optional[Sequence[int]] = None) -> None:
     """out [group.size, n] (fp32 or bf16) = every member's inp [n], quantized on the wire. Synchronous."""
     n = inp.numel()
@@ -149,9 +149,9 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, fmt: QuantFor
     if n == 0:
         return
     layout = _layout(fmt, n, segments)
-    packed = scratch(pool, "q_send", layout.row_bytes, torch.uint8, inp.device)
+    packed = pool.get("q_send", layout.row_bytes, torch.uint8, inp.device)
     _quantize_rows(inp.view(1, n), packed, layout, pool, None)
-    received = scratch(pool, "q_recv", k * layout.row_bytes, torch.uint8, inp.device)
+    received = pool.get("q_recv", k * layout.row_bytes, torch.uint8, inp.device)
     with ledger.carrying_scales(layout.scale_share):
         _all_gather(received, packed, group).wait()
     rows = received.view(k, layout.row_bytes)
@@ -163,18 +163,18 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, fmt: QuantFor
             _into(ops.dequantize, target[j, start:start + length], values[j], scales[j], fmt, length, pool)
 
 
-def all_reduce(tensor: torch.Tensor, group: Group, fmt: QuantFormat, pool: dict) -> None:
+def all_reduce(tensor: torch.Tensor, group: Group, fmt: QuantFormat, pool: Scratch) -> None:
     """tensor [n] (fp32 or bf16) = its sum over the group: a quantized reduce-scatter of 1/k slices, then a
     quantized all-gather of the sums. Synchronous."""
     k, n = group.size, tensor.numel()
     if k == 1 or n == 0:
         return
     part = -(-n // k)
-    padded = scratch(pool, "q_ar_in", k * part, torch.float32, tensor.device)
+    padded = pool.get("q_ar_in", k * part, torch.float32, tensor.device)
     padded[:n].copy_(tensor.view(-1))
     padded[n:].zero_()
-    mine = scratch(pool, "q_ar_part", part, torch.float32, tensor.device)
+    mine = pool.get("q_ar_part", part, torch.float32, tensor.device)
     reduce_scatter(mine, padded.view(k, part), group, fmt, pool)
-    reduced = scratch(pool, "q_ar_out", k * part, torch.float32, tensor.device)
+    reduced = pool.get("q_ar_out", k * part, torch.float32, tensor.device)
     all_gather(reduced, mine, group, fmt, pool)
     tensor.view(-1).copy_(reduced[:n])

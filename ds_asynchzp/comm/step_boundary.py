@@ -48,7 +48,7 @@ from ..state.scratch import Scratch
 from ..state.grad_shards import GradShards, Window
 from ..state.sharded_buffer import ShardedBuffer
 from . import quantized
-from .collectives import all_gather, all_reduce, all_to_all, backend_reduce_scatter_is_optimal, reduce_scatter, scratch
+from .collectives import all_gather, all_reduce, all_to_all, backend_reduce_scatter_is_optimal, reduce_scatter
 
 
 # DeepSpeed's default reduce_bucket_size (5e8 elements) would make most models' whole shard one chunk, whose
@@ -115,7 +115,7 @@ class StepBoundary:
         # With optimizer offload: `after_sum(index, start, end, members)`, asked on the training thread when a chunk
         # is submitted, gives what the chunk job runs once its sum is done (the copy to the host), or None.
         self.after_sum = after_sum
-        self.scratch = Scratch()               # used only inside boundary jobs
+        self.scratch = Scratch()          # used only inside boundary jobs
         self._grad_chunks: Optional[_Chunks] = None
         self._grad_jobs: Dict[int, object] = {}       # chunk index -> job, this window
         self._waiting: List[set] = []                 # per chunk: parameters whose bucket is not submitted yet
@@ -222,24 +222,24 @@ class StepBoundary:
         own = buffer.data[buffer.own_row, start:end]
         plan = self.quantization
         if rows > 1:
-            send = scratch(self.scratch, "grad_send", rows * cols, comm_dtype, device).view(rows, cols)
+            send = self.scratch.get("grad_send", rows * cols, comm_dtype, device).view(rows, cols)
             send.copy_(buffer.data[:, start:end])
             with ledger.tagged(f"{self.tag_prefix}.boundary_grad"):
                 if plan.boundary_grad is not None:
-                    total = scratch(self.scratch, "grad_sum", cols, torch.float32, device)
+                    total = self.scratch.get("grad_sum", cols, torch.float32, device)
                     residual = (self.error_feedback.columns(start, end) if self.error_feedback is not None
                                 else None)
                     quantized.reduce_scatter(total, send, boundary, plan.boundary_grad, self.scratch, residual,
                                              segments)
                 elif self.pairwise:
-                    recv = scratch(self.scratch, "grad_recv", rows * cols, comm_dtype, device).view(rows, cols)
+                    recv = self.scratch.get("grad_recv", rows * cols, comm_dtype, device).view(rows, cols)
                     all_to_all(recv.view(-1), send.view(-1), boundary).wait()
-                    total = scratch(self.scratch, "grad_sum", cols, torch.float32, device)
+                    total = self.scratch.get("grad_sum", cols, torch.float32, device)
                     total.copy_(recv[0])
                     for row in recv[1:]:
                         total.add_(row)
                 else:
-                    total = scratch(self.scratch, "grad_sum", cols, comm_dtype, device)
+                    total = self.scratch.get("grad_sum", cols, comm_dtype, device)
                     reduce_scatter(total, send.view(-1), boundary).wait()
             own.copy_(total)
         if outer.size > 1:
@@ -249,7 +249,7 @@ class StepBoundary:
                 elif own.dtype == comm_dtype:
                     all_reduce(own, outer).wait()
                 else:
-                    staged = scratch(self.scratch, "grad_outer", cols, comm_dtype, device)
+                    staged = self.scratch.get("grad_outer", cols, comm_dtype, device)
                     staged.copy_(own)
                     all_reduce(staged, outer).wait()
                     own.copy_(staged)
@@ -291,7 +291,7 @@ class StepBoundary:
 
         def job() -> None:
             cols = end - start
-            recv = scratch(self.scratch, "param_recv", rows * cols, buffer.data.dtype, buffer.data.device)
+            recv = self.scratch.get("param_recv", rows * cols, buffer.data.dtype, buffer.data.device)
             with ledger.tagged(f"{self.tag_prefix}.param_refresh"):
                 if fmt is not None:
                     quantized.all_gather(recv, buffer.data[own_row, start:end], group, fmt, self.scratch, segments)

@@ -179,7 +179,7 @@ def _ds_config(world: int, grad_accum: int, dtype: str, grad_accum_dtype: str | 
         config[dtype] = {"enabled": True}
     if grad_accum_dtype is not None:
         config["data_types"] = {"grad_accum_dtype": grad_accum_dtype}
-    if sp_grad_comm_bytes != 4:
+    if sp_grad_comm_bytes != 4:   # only the element size matters here: bf16 stands for any 2-byte dtype
         config["seq_parallel_communication_data_type"] = "bf16"
     return config
 
