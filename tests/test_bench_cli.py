@@ -240,15 +240,15 @@ def test_comm_delay_reaches_every_payload_and_the_recorded_config():
     assert json.loads(json.dumps(cli.run_config(args)))["comm_delay_ms"] == 2.5  # as results.json holds it
 
 
-def test_layouts_recorded_by_the_worker():
-    from ds_asynchzp.bench import worker
+def test_layouts_recorded_by_the_step_recorder():
+    from ds_asynchzp.accounting import step_recorder
 
     args = cli.parse_args(["--nproc", "8", "--node-size", "4"])
-    zero3, text = worker.stock_layout(cli.ds_config_for("zero3", args), 8, 4)
+    zero3, text = step_recorder.stock_layout(cli.ds_config_for("zero3", args), 8, 4)
     assert zero3 == {"world_size": 8, "node_size": 4, "num_nodes": 2, "param_shard_size": 8, "grad_shard_size": 8,
                      "optimizer_shard_size": 8, "auto_reason": None}
     assert "ZeRO-3" in text
-    hpz, text = worker.stock_layout(cli.ds_config_for("hpz", args), 8, 4)
+    hpz, text = step_recorder.stock_layout(cli.ds_config_for("hpz", args), 8, 4)
     assert (hpz["param_shard_size"], hpz["grad_shard_size"], hpz["optimizer_shard_size"]) == (4, 8, 8)
     assert "hpZ" in text
 
@@ -265,9 +265,9 @@ def test_layouts_recorded_by_the_worker():
             self.optimizer = optimizer
 
     hzp_engine = Engine(type("Opt", (), {"hzp_layout": Layout()})())
-    assert worker._layout_of(hzp_engine, {}, 8, 4) == (Layout().as_dict(), "async_hzp layout: ...")
+    assert step_recorder.layout_of(hzp_engine, {}, 8, 4) == (Layout().as_dict(), "async_hzp layout: ...")
     stock_engine = Engine(object())
-    assert worker._layout_of(stock_engine, cli.ds_config_for("zero3", args), 8, 4)[0] == zero3
+    assert step_recorder.layout_of(stock_engine, cli.ds_config_for("zero3", args), 8, 4)[0] == zero3
 
 
 def _fake_rank(rank: int, losses, times, inter, rss: int, node_tx=None, exposed=None, busy=None) -> dict:
@@ -361,7 +361,7 @@ def test_small_run_matches_zero3_with_less_inter_node_traffic(tmp_path, capsys):
     steps = 3
     code = cli.main(["--arms", "zero3,asynchzp", "--nproc", "4", "--node-size", "2", "--model", "tiny",
                      "--steps", str(steps), "--grad-accum", "2", "--warmup-steps", "1", "--seq-len", "32",
-                     "--out", str(tmp_path), "--timeout", "300"])
+                     "--network", "loopback", "--out", str(tmp_path), "--timeout", "300"])
     printed = capsys.readouterr().out
     assert code == 0
     assert "[1/2] zero3: 4 ranks" in printed and "[2/2] asynchzp: 4 ranks" in printed
@@ -486,3 +486,24 @@ def test_moe_model_adds_autoep_and_the_family_table():
         cli.parse_args(["--model", "moe", "--ep-size", "3", "--nproc", "4"])
     with pytest.raises(SystemExit):  # expert groups of 2 ranks on one node and 1 on the other
         cli.parse_args(["--model", "moe", "--ep-size", "2", "--nproc", "6", "--node-size", "3"])
+
+
+def test_network_auto_is_emulated_where_namespaces_can_be_made_else_loopback_with_the_reason(monkeypatch):
+    from ds_asynchzp import netem
+
+    args = cli.parse_args(["--arms", "zero3"])
+    assert args.network == "auto"
+    monkeypatch.setattr(netem, "preflight", lambda need_tun=False: None)
+    assert "2 emulated nodes" in cli.resolve_network(args) and args.network == "emulated"
+
+    def unavailable(need_tun=False):
+        raise netem.EmulationUnavailable("emulated cluster needs root")
+
+    monkeypatch.setattr(netem, "preflight", unavailable)
+    args = cli.parse_args(["--arms", "zero3"])
+    note = cli.resolve_network(args)
+    assert args.network == "loopback" and "needs root" in note and "--network emulated" in note
+    sweep = cli.parse_args(["--arms", "zero3", "--inter-node-bw", "100mbit,1gbit"])
+    with pytest.raises(cli.NetworkUnavailable, match="a sweep"):
+        cli.resolve_network(sweep)
+    assert cli.resolve_network(cli.parse_args(["--network", "loopback"])) is None

@@ -24,7 +24,8 @@ def runs(tmp_path_factory, deepspeed_cpu_ops):
         report = [] if ga == max(GRAD_ACCUMS) else ["--no-report"]
         code = cli.main(["--arms", "zero3-offload,asynchzp-offload", "--nproc", "4", "--node-size", "2",
                          "--model", "tiny", "--steps", "2", "--warmup-steps", "1", "--grad-accum", str(ga),
-                         "--seq-len", "32", "--out", str(path), "--timeout", "300", *report])
+                         "--seq-len", "32", "--network", "loopback", "--out", str(path), "--timeout", "300",
+                         *report])
         assert code == 0
         out[ga] = (json.loads((path / "results.json").read_text()), path)
     return out

@@ -4,6 +4,7 @@ catch, its report is written, and every part that can run on CPU ranks does (`--
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -80,7 +81,8 @@ def test_the_training_checks_fail_on_what_they_must_catch():
 
 def test_a_cpu_dry_run_runs_every_part_that_needs_no_gpu(tmp_path, deepspeed_cpu_ops, capsys):
     code = cli.main(["--cpu-dry-run", "--out", str(tmp_path), "--model", "tiny", "--steps", "2", "--warmup", "1",
-                     "--seq-len", "32", "--micro-batch", "2", "--sizes", "64K", "--arm-timeout", "300"])
+                     "--seq-len", "32", "--micro-batch", "2", "--sizes", "64K", "--arm-timeout", "300",
+                     "--ab-steps", "2"])
     report = json.loads(next(tmp_path.glob("*.json")).read_text())
     checks = _by_name(report["checks"])
     assert code == 0, json.dumps(report["checks"], indent=1)[:4000]
@@ -92,6 +94,10 @@ def test_a_cpu_dry_run_runs_every_part_that_needs_no_gpu(tmp_path, deepspeed_cpu
     assert "CUDA sanitizer" not in checks and "memory flat after warm-up" not in checks   # CUDA only
     assert {row["arm"] for row in checks["communication"]["details"]["rows"]} == {
         "zero3", "sync", "async", "zero3-offload", "offload"}
+    # asynchzp-ab on examples/train.py under the deepspeed launcher, its report next to the check's.
+    ab = checks["asynchzp-ab on examples/train.py"]
+    assert ab["passed"] and ab["details"]["max_rel_loss_diff"] <= 1e-6, ab
+    assert (Path(ab["details"]["report"])).is_file() and Path(ab["details"]["report"]).parent.parent == tmp_path
 
 
 def test_an_arm_that_fails_or_times_out_keeps_the_others_results(tmp_path, monkeypatch):

@@ -40,6 +40,13 @@ def host_us_per_param(step_time_s: float, parameter_tensors: int | None) -> floa
     return step_time_s * 1e6 / parameter_tensors
 
 
+def _device_peaks(by_rank: list) -> dict | None:
+    peaks = [r.get("device_memory_peak_bytes") for r in by_rank]
+    if any(p is None for p in peaks):
+        return None
+    return {kind: max(p[kind] for p in peaks) for kind in ("allocated", "reserved")}
+
+
 def aggregate_arm(rank_results: list, warmup: int, tokens_per_step: int) -> dict:
     """One repeat of one arm."""
     n_ranks = len(rank_results)
@@ -129,6 +136,8 @@ def aggregate_arm(rank_results: list, warmup: int, tokens_per_step: int) -> dict
         "comm_busy_s_per_step": _steady_median(busy, warmup),
         "collective_calls_per_step": mean_over_ranks(lambda st: st["calls"]),
         "peak_memory_bytes": max(r["peak_rss_bytes"] for r in by_rank),
+        # On CUDA ranks, the caching allocator's peaks (largest rank); None on CPU ranks and older records.
+        "device_memory_peak_bytes": _device_peaks(by_rank),
         "model_state_bytes": by_rank[0]["model_state_bytes"],
         # Under optimizer offload, rank 0's model states on the host by role (`bench.offload`).
         "host_state_bytes": by_rank[0].get("host_state_bytes"),
@@ -149,8 +158,10 @@ def aggregate_arm(rank_results: list, warmup: int, tokens_per_step: int) -> dict
                                                else [r["package_buffer_bytes"]["total"] for r in by_rank]),
         "staging_rings": by_rank[0].get("staging_rings"),
         # Whole job (all ranks); the per-rank figure is below.
-        "tokens_per_s": tokens_per_step / median_step if median_step > 0 else None,
-        "tokens_per_s_per_rank_this_repeat": tokens_per_step / n_ranks / median_step if median_step > 0 else None,
+        # None where the tool does not know the tokens of a step (asynchzp-ab on the user's job).
+        "tokens_per_s": tokens_per_step / median_step if tokens_per_step and median_step > 0 else None,
+        "tokens_per_s_per_rank_this_repeat": (tokens_per_step / n_ranks / median_step
+                                              if tokens_per_step and median_step > 0 else None),
         "per_rank": [{
             "rank": r["rank"],
             "losses": [st["loss"] for st in r["steps"]],
@@ -187,12 +198,15 @@ def merge_repeats(entries: list) -> dict:
     medians = [e["median_step_time_s"] for e in entries]
     per_rank = [e["tokens_per_s_per_rank_this_repeat"] for e in entries]
     merged["step_time_stats_s"] = {"min": min(medians), "median": statistics.median(medians)}
-    merged["tokens_per_s_per_rank"] = {"min": min(per_rank), "median": statistics.median(per_rank)}
+    per_rank = [v for v in per_rank if v is not None]
+    merged["tokens_per_s_per_rank"] = ({"min": min(per_rank), "median": statistics.median(per_rank)}
+                                       if per_rank else None)
     # Keep the top-level figures consistent with the medians above.
     merged["median_step_time_s"] = merged["step_time_stats_s"]["median"]
     merged["host_us_per_param_per_step"] = host_us_per_param(merged["median_step_time_s"],
                                                              merged.get("parameter_tensors"))
-    merged["tokens_per_s"] = merged["tokens_per_s_per_rank"]["median"] * len(entries[0]["per_rank"])
+    merged["tokens_per_s"] = (merged["tokens_per_s_per_rank"]["median"] * len(entries[0]["per_rank"])
+                              if per_rank else None)
     wires = [e["wire_bytes_inter_node_per_step"] for e in entries if e["wire_bytes_inter_node_per_step"] is not None]
     if wires:
         merged["wire_bytes_inter_node_per_step"] = statistics.median(wires)

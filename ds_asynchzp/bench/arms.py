@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import re
 from dataclasses import dataclass, field
 
@@ -60,6 +61,40 @@ ASYNC_COMM_ARMS = {True: "asynchzp", False: "asynchzp-sync"}
 def arm_zero_keys(base: str) -> dict:
     """The arm's own zero_optimization keys (`ARM_ZERO_KEYS`), a fresh copy for the caller's ds_config."""
     return {k: dict(v) if isinstance(v, dict) else v for k, v in ARM_ZERO_KEYS.get(base, {}).items()}
+
+
+# zero_optimization keys of stock ZeRO++: the arms that are not ZeRO++ run without them, whatever the shared config
+# says, and hpz and zeropp set their own.
+ZEROPP_KEYS = ("zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
+               "zero_quantized_gradients")
+
+
+def zeropp_keys(node_size: int) -> dict:
+    """ZeRO++ as its tutorial configures it: hpZ over the node, qwZ and qgZ."""
+    return {"zero_hpz_partition_size": node_size, "zero_quantized_weights": True, "zero_quantized_gradients": True}
+
+
+def arm_ds_config(shared: dict, spec: "ArmSpec", node_size: int) -> dict:
+    """One arm's ds_config from the configuration every arm shares (the bench's, or the user's own file).
+
+    Everything but the arm's keys is the shared config's: zero3 drops the ``async_hzp`` section and ZeRO++'s keys;
+    hpz sets ``zero_hpz_partition_size`` to the node; zeropp adds qwZ and qgZ; an AsyncHZP arm keeps the shared
+    section (its ``enabled`` key dropped: the arm always enables it), adds its own keys and the spec's overrides;
+    the offload arms add ``offload_optimizer``."""
+    config = copy.deepcopy(shared)
+    section = {k: v for k, v in (config.pop("async_hzp", None) or {}).items() if k != "enabled"}
+    zero = config.setdefault("zero_optimization", {})
+    for key in ZEROPP_KEYS:
+        zero.pop(key, None)
+    if spec.base == "hpz":
+        zero["zero_hpz_partition_size"] = node_size
+    if spec.base == "zeropp":
+        zero.update(zeropp_keys(node_size))
+    zero.update(arm_zero_keys(spec.base))
+    if spec.base in OVERRIDABLE_ARMS:
+        # The arm's fixed keys cannot collide with the overrides: parse_arm_spec refuses those keys.
+        config["async_hzp"] = {**section, **ARM_SECTION_KEYS[spec.base], **spec.overrides}
+    return config
 
 
 def placement_arm(base: str) -> str:

@@ -24,8 +24,8 @@ from pathlib import Path
 from ..layout import expert_members_per_node
 from ..planner.moe import UNSUPPORTED_ARMS as MOE_UNSUPPORTED_ARMS
 from .aggregate import aggregate_arm, merge_repeats
-from .arms import (ARM_SECTION_KEYS, ARMS, DEFAULT_ARMS, OVERRIDABLE_ARMS, ArmSpec, ArmSpecError,
-                   arm_zero_keys, parse_arm_spec, parse_arm_specs)
+from .arms import (ARM_SECTION_KEYS, ARMS, DEFAULT_ARMS, OVERRIDABLE_ARMS, ArmSpec, ArmSpecError, arm_ds_config,
+                   arm_zero_keys, parse_arm_spec, parse_arm_specs, zeropp_keys)
 from .launch import prepare_ops
 from .model import HOST_OVERHEAD_PRESET, MODEL_PRESETS
 from .moe_model import MOE_PRESETS, autoep_config
@@ -141,9 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=_positive_int, default=1,
                         help="runs of every arm, interleaved, for min/median timings (default: %(default)s)")
     network = parser.add_argument_group("network")
-    network.add_argument("--network", default="loopback", choices=["loopback", "emulated"],
+    network.add_argument("--network", default="auto", choices=["auto", "loopback", "emulated"],
                          help="loopback: all ranks on 127.0.0.1; emulated: one network namespace per node, nodes "
-                              "joined by rate-limited links whose byte counters are recorded (needs root) "
+                              "joined by rate-limited links whose byte counters are recorded (needs root, iproute2); "
+                              "auto: emulated where this machine can make it, else loopback, saying why "
                               "(default: %(default)s)")
     network.add_argument("--inter-node-bw", default="200mbit",
                          help="emulated inter-node link rate, e.g. 200mbit, 1gbit, unlimited; a comma-separated "
@@ -211,7 +212,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      "support for this CPU); use --dtype bf16 or fp32")
     if args.network == "loopback" and (args.inter_node_delay is not None):
         parser.error("--inter-node-delay needs --network emulated")
-    if args.network == "emulated":
+    if args.network in ("emulated", "auto"):
         from ds_asynchzp.netem import parse_delay_ms
 
         from .sweep import parse_rates
@@ -257,17 +258,11 @@ def arm_overrides(arm: str, args: argparse.Namespace) -> dict:
     if spec.base == "hpz":
         return {"zero_optimization.zero_hpz_partition_size": args.node_size}
     if spec.base == "zeropp":
-        return {f"zero_optimization.{k}": v for k, v in _zeropp_keys(args).items()}
+        return {f"zero_optimization.{k}": v for k, v in zeropp_keys(args.node_size).items()}
     added = {f"zero_optimization.{k}": v for k, v in arm_zero_keys(spec.base).items()}
     if spec.base in OVERRIDABLE_ARMS:
         added["async_hzp"] = _async_hzp_section(spec, args)
     return added
-
-
-def _zeropp_keys(args: argparse.Namespace) -> dict:
-    """ZeRO++ as its tutorial configures it: hpZ over the node, qwZ and qgZ."""
-    return {"zero_hpz_partition_size": args.node_size, "zero_quantized_weights": True,
-            "zero_quantized_gradients": True}
 
 
 def arm_unavailable(arm: str, args: argparse.Namespace | None = None) -> str | None:
@@ -294,26 +289,19 @@ def arm_unavailable(arm: str, args: argparse.Namespace | None = None) -> str | N
 
 
 def _async_hzp_section(spec: ArmSpec, args: argparse.Namespace) -> dict:
-    # The arm's fixed keys cannot collide with the overrides: parse_arm_spec refuses those keys.
-    return {"node_size": args.node_size, **ARM_SECTION_KEYS[spec.base], **spec.overrides}
+    return arm_ds_config({"async_hzp": {"node_size": args.node_size}}, spec, args.node_size)["async_hzp"]
 
 
 def ds_config_for(arm: str, args: argparse.Namespace) -> dict:
-    """The full ds_config of one arm (a spec such as ``asynchzp:param_shard_size=1``): shared knobs plus the
-    arm's own key, and the spec's overrides in its ``async_hzp`` section."""
-    spec = _spec(arm, args)
-    zero = shared_zero3_knobs(args)
-    if spec.base == "hpz":
-        zero["zero_hpz_partition_size"] = args.node_size
-    if spec.base == "zeropp":
-        zero.update(_zeropp_keys(args))
-    zero.update(arm_zero_keys(spec.base))
+    """The full ds_config of one arm (a spec such as ``asynchzp:param_shard_size=1``): the knobs every arm shares,
+    with the arm's own keys and the spec's overrides (`arms.arm_ds_config`, as asynchzp-ab does for a user's
+    config)."""
     config = {
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_accumulation_steps": args.grad_accum,
         "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": WEIGHT_DECAY}},
         "gradient_clipping": GRADIENT_CLIPPING,
-        "zero_optimization": zero,
+        "zero_optimization": shared_zero3_knobs(args),
         "steps_per_print": STEPS_PER_PRINT,
         "wall_clock_breakdown": False,
     }
@@ -323,9 +311,8 @@ def ds_config_for(arm: str, args: argparse.Namespace) -> dict:
         config["bf16"] = {"enabled": True}
     elif args.dtype == "fp16":
         config["fp16"] = {"enabled": True, "initial_scale_power": FP16_INITIAL_SCALE_POWER}
-    if spec.base in OVERRIDABLE_ARMS:
-        config["async_hzp"] = _async_hzp_section(spec, args)
-    return config
+    config["async_hzp"] = {"node_size": args.node_size}
+    return arm_ds_config(config, _spec(arm, args), args.node_size)
 
 
 # ZeRO-3 keys under which a parameter stays gathered between uses unless they are 0 (absent: DeepSpeed's default,
@@ -515,8 +502,38 @@ def _run_arms(args: argparse.Namespace, results: dict, cluster=None) -> None:
                   f"median step {entry['median_step_time_s']:.3f}s{comm}", flush=True)
 
 
+def resolve_network(args: argparse.Namespace) -> str | None:
+    """Settle ``--network auto``: emulated nodes where this machine can make them (root, iproute2, network
+    namespaces and tbf: `netem.preflight`), else loopback. Returns the one line that says which and why, or None
+    where the flag named the network."""
+    if args.network != "auto":
+        return None
+    from ds_asynchzp.netem import EmulationUnavailable, preflight
+
+    try:
+        preflight(need_tun=args.inter_node_delay is not None)
+    except EmulationUnavailable as exc:
+        if getattr(args, "inter_node_bws", None) and len(args.inter_node_bws) > 1:
+            raise NetworkUnavailable(f"--inter-node-bw {args.inter_node_bw} (a sweep) needs emulated nodes, which "
+                                     f"this machine cannot make: {exc}") from None
+        args.network = "loopback"
+        return (f"network: loopback, every rank on 127.0.0.1, where bytes between the simulated nodes cost almost "
+                f"nothing ({exc}); as root with iproute2, --network emulated joins two nodes by a "
+                f"{args.inter_node_bw} link")
+    args.network = "emulated"
+    return (f"network: {args.nproc // args.node_size} emulated nodes (network namespaces) joined by "
+            f"{args.inter_node_bw} links (--network loopback for none)")
+
+
+class NetworkUnavailable(RuntimeError):
+    pass
+
+
 def run_benchmark(args: argparse.Namespace) -> dict:
     """Run every arm; results.json is rewritten after each run so a later failure keeps the rest."""
+    note = resolve_network(args)
+    if note:
+        print(note, flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     prepare_ops()
@@ -582,6 +599,9 @@ def main(argv: list[str] | None = None) -> int:
     except NoArmRan as exc:
         print(f"asynchzp-bench: {exc}", file=sys.stderr, flush=True)
         return 1
+    except NetworkUnavailable as exc:
+        print(f"asynchzp-bench: {exc}", file=sys.stderr, flush=True)
+        return 2
     out = Path(args.out)
     produced = f"sweep: {out / 'sweep.md'}" if len(rates) > 1 else \
         f"results: {out / 'results.json'}, table: {out / 'summary.md'}"

@@ -67,6 +67,14 @@ def measured_host_bytes(model_states: dict, fp32_grad_bytes: int) -> dict:
     return {**host, "total": sum(host.values())}
 
 
+def host_state_bytes(record: dict, ds_config: dict) -> dict | None:
+    """A rank record's model states on the host by role (`measured_host_bytes`), under optimizer offload; else
+    None."""
+    if offload_section(ds_config) is None or record.get("model_state_bytes") is None:
+        return None
+    return measured_host_bytes(record["model_state_bytes"], record["fp32_grad_bytes"])
+
+
 def _base(results: dict, arm: str) -> str:
     recorded = ((results.get("config") or {}).get("arm_specs") or {}).get(arm) or {}
     return recorded.get("base") or parse_arm_spec(arm).base

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from .buffer_table import format_buffer_table
 from .records import read_results
+from .report_intro import is_job_run, job_provenance, job_workload, opening
 from .timeline_plot import plot_timelines
 from .table import (HOST_COLUMNS, LAYOUT_LEGEND, MB, REFERENCE_ARM, host_cells, host_legend, layout_cells,
                     max_rel_loss_diff, memory_roles, role_bytes, shows_host_overhead)
@@ -321,8 +322,10 @@ def _offload(results: dict) -> list[str]:
 
 def _volume(results: dict) -> list[str]:
     """ZeRO++'s volume table, where the run recorded flows and the planner has formulas for it (dense models)."""
-    from .volume_table import format_volume_table
+    from .volume_table import format_measured_flow_table, format_volume_table
 
+    if is_job_run(results):
+        return format_measured_flow_table(results)
     try:
         return format_volume_table(results)
     except (ValueError, KeyError) as exc:  # an MoE run, or results without what the formulas need
@@ -535,10 +538,14 @@ def write_report(results: dict, out_dir: Path) -> Path:
     _plot_bytes(arms, stats, out_dir / "bytes.png")
     _plot_step_time(arms, stats, out_dir / "step_time.png")
     timeline_notes = plot_timelines(arms, out_dir / "timeline.png")
-    title = (f"# asynchzp-bench A/B report: {', '.join(arms)} on `{config.get('model', NA)}`, "
+    job = is_job_run(results)
+    title = (f"# asynchzp-ab A/B report: {', '.join(arms)} on `{config.get('command', NA)}`" if job else
+             f"# asynchzp-bench A/B report: {', '.join(arms)} on `{config.get('model', NA)}`, "
              f"{config.get('world_size') or config.get('nproc', NA)} CPU ranks")
     unavailable = [f"- **{arm}** was not run: {why}." for arm, why in (results.get("unavailable_arms") or {}).items()]
-    lines = [title, "", *_provenance(env, config), *_workload(results), *(unavailable + [""] if unavailable else []),
+    described = ([*job_provenance(results), *job_workload(results), CPU_OVERLAP_CAVEAT, ""] if job else
+                 [*_provenance(env, config), *_workload(results)])
+    lines = [title, "", *opening(results, stats), *described, *(unavailable + [""] if unavailable else []),
              *_results_table(arms, stats, config),
              *_bytes_table(arms), *_volume(results), *_offload(results), *_parity(arms), *_layout(arms),
              *_memory(arms), *format_buffer_table(arms), "## Plots", "",

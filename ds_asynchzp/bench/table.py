@@ -184,10 +184,13 @@ def format_table(results: dict) -> str:
     rows += [_row(arm, entry, reference) + host_cells(entry, reference) * host for arm, entry in arms.items()]
     config = results.get("config", {})
     legend = (
-        f"{config.get('model', '?')} model, {config.get('nproc', '?')} ranks in nodes of "
-        f"{config.get('node_size', '?')}, {config.get('dtype', '?')}, {config.get('steps', '?')} optimizer steps x "
-        f"{config.get('grad_accum', '?')} micro-steps (first {config.get('warmup_steps', '?')} excluded from "
-        "step-time and byte averages).\n"
+        (f"`{config['command']}`: {config.get('world_size', '?')} ranks in nodes of {config.get('node_size', '?')}, "
+         f"{config.get('steps', '?')} optimizer steps per arm (first {config.get('warmup_steps', '?')} excluded "
+         "from step-time and byte averages).\n" if config.get("command") else
+         f"{config.get('model', '?')} model, {config.get('nproc', '?')} ranks in nodes of "
+         f"{config.get('node_size', '?')}, {config.get('dtype', '?')}, {config.get('steps', '?')} optimizer steps x "
+         f"{config.get('grad_accum', '?')} micro-steps (first {config.get('warmup_steps', '?')} excluded from "
+         "step-time and byte averages).\n") +
         "Bytes: ring-model wire bytes sent per rank per optimizer step (mean over ranks); MB = 10^6 bytes. "
         "Losses: mean over ranks. Step time: slowest rank. Peak RSS: largest rank. Model-state: rank 0.\n"
         "Exposed comm: time the training thread was blocked on communication; comm busy: time any collective was "
@@ -197,6 +200,7 @@ def format_table(results: dict) -> str:
     if host:
         legend += "\n" + host_legend(arms)
     notes = [f"- {arm}: not run: {why}" for arm, why in (results.get("unavailable_arms") or {}).items()]
+    notes += [f"- {arm}: FAILED: {why}" for arm, why in (results.get("failed_arms") or {}).items()]
     families = format_family_table(results)
     if families is not None:
         notes += ["", "Bytes by family (AutoEP):", "", families]

@@ -10,6 +10,26 @@ from ..planner import volume
 from .table import MB
 
 
+def format_measured_flow_table(results: dict) -> list[str]:
+    """Cross-node and intra-node bytes by flow as the ledger measured them, without formulas: for runs whose model
+    the planner does not know (asynchzp-ab on a user's job)."""
+    flows = list(volume.TABLE_FLOWS)
+    arms = results.get("arms") or {}
+    for entry in arms.values():
+        flows += [f for f in (entry.get("bytes_per_step_by_flow") or {}) if f not in flows]
+    header = ["arm", *(f"{f} inter / intra MB" for f in flows), "inter total MB"]
+    lines = ["## Bytes by flow (measured)", "",
+             "Per rank per optimizer step, from the ledger (ring model, quantization scales included), between nodes "
+             "/ inside a node; a gather counts in the phase it was issued in. No formulas: the model is the "
+             "script's.", "", "| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    for arm, entry in arms.items():
+        by_flow = entry.get("bytes_per_step_by_flow") or {}
+        cells = [f"{(by_flow.get(f) or {}).get('inter_node', 0.0) / MB:.3f} / "
+                 f"{(by_flow.get(f) or {}).get('intra_node', 0.0) / MB:.3f}" for f in flows]
+        total = sum((v or {}).get("inter_node", 0.0) for v in by_flow.values())
+        lines.append("| " + " | ".join([arm, *cells, f"{total / MB:.3f}"]) + " |")
+    return lines + [""]
+
 
 def volume_rows(results: dict) -> tuple[list[dict], dict]:
     """One row per arm with measured and predicted bytes by flow; and the check report they came from."""

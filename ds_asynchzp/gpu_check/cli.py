@@ -19,6 +19,8 @@
    step times (CUDA events) of the three arms.
 6. **Package buffers**: the AsyncHZP arms' own buffers beyond the model states, by kind, next to the model
    states and `torch.cuda.max_memory_allocated`.
+7. **A/B on a real launch**: `asynchzp-ab` on `examples/train.py` under the `deepspeed` launcher, one rank per GPU,
+   arms zero3 and asynchzp; its report goes next to the check's (`gpu-check-<date>-ab/`). `--skip-ab` leaves it out.
 
 The report (`gpu-check-<date>-<device>.json` and `.md`, with the date, the commit and the device) goes to
 `--out`. Exit status 0 when every check passed, 1 when one failed, 2 when there is no CUDA device.
@@ -36,6 +38,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from .ab_run import run_ab_check
 from .report import verdict, write_report
 
 SANITIZER_MARK = "CSAN detected a possible data race"
@@ -307,6 +310,12 @@ def run_checks(args) -> Dict:
                                          ("ops bandwidth", lambda: [bench_ops(device, sizes)])]
     with tempfile.TemporaryDirectory(prefix="asynchzp-gpu-check-") as work:
         sections.append(("training", lambda: run_training(args, cuda, Path(work))))
+        if args.ab:
+            ranks = torch.cuda.device_count() if cuda else args.ranks
+            ab_out = Path(args.out) / f"gpu-check-{result['date']}-ab"
+            env = dict(os.environ, DS_ACCELERATOR="cuda" if cuda else "cpu")
+            sections.append(("asynchzp-ab", lambda: [run_ab_check(ab_out, ranks, args.ab_steps,
+                                                                  2 * args.arm_timeout + 120, env)]))
         for name, section in sections:
             _progress(f"{name} ...")
             try:
@@ -337,6 +346,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="leave out the optimizer-offload arms")
     parser.add_argument("--sanitizer-steps", type=int, default=3, help="steps under the sanitizer (slow)")
     parser.add_argument("--arm-timeout", type=float, default=240.0, help="seconds per training arm")
+    parser.add_argument("--skip-ab", dest="ab", action="store_false",
+                        help="leave out asynchzp-ab on examples/train.py (zero3 and asynchzp on the GPUs present)")
+    parser.add_argument("--ab-steps", type=int, default=10, help="optimizer steps per asynchzp-ab arm")
     # Runs every part that can run without CUDA, on CPU ranks, to test the command itself.
     parser.add_argument("--cpu-dry-run", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -12,6 +12,7 @@ import deepspeed
 from deepspeed.accelerator import get_accelerator
 from deepspeed.pipe import PipelineModule
 
+from ..accounting import recording
 from ..accounting.sizing import padded_num_params
 from ..config import ResolvedLayout, load_ds_config, resolve_layout, section_from_ds_config
 from ..errors import AsyncHZPConfigError, AsyncHZPNotActiveError
@@ -116,6 +117,17 @@ def _rank() -> int:
 @functools.wraps(_ORIGINAL_INITIALIZE)
 def initialize(*args, **kwargs):
     """`deepspeed.initialize` that honours the ``"async_hzp"`` section (stock ZeRO-3 without it)."""
+    config = _ds_config_of(_INITIALIZE_SIGNATURE.bind(*args, **kwargs).arguments)
+    config = load_ds_config(config) if config is not None else None
+    # An asynchzp-ab arm (the "async_hzp_record" key): every arm's engine is recorded, stock ones too.
+    recorded = recording.begin(config) if config is not None else None
+    result = _initialize(*args, **kwargs)
+    if recorded is not None:
+        recording.attach(result[0], config, recorded)
+    return result
+
+
+def _initialize(*args, **kwargs):
     layout = resolve_for_initialize(*args, **kwargs)
     if layout is None:
         return _ORIGINAL_INITIALIZE(*args, **kwargs)

@@ -1,0 +1,241 @@
+"""Record an A/B arm inside the user's own training job, and end the job after its steps.
+
+``asynchzp-ab`` writes each arm's ds_config with a top-level ``"async_hzp_record"`` key (`RECORD_KEY`): where the
+rank records go, the arm's name, how many optimizer steps to record. `ds_asynchzp.initialize` (directly, or
+through ``register()`` from HF Trainer, Accelerate or TRL) sees the key and, for every arm, stock ones too:
+
+* before the engine is built, counts every collective (`ledger`) and, on CPU ranks, lets stock ZeRO++'s quantizer
+  run (`install_cpu_zeropp_quantizer`: DeepSpeed has it as CUDA kernels only);
+* after, checks the engine is the arm's (an AsyncHZP arm must get the hierarchical optimizer), then wraps the
+  engine's ``forward``, ``backward`` and ``step`` so that a `StepRecorder` sees every optimizer step as the engine
+  does: the losses handed to ``backward``, the time from the step's first forward to its optimizer step (the
+  device synchronised), the ledger's bytes;
+* after the last recorded step, every rank writes ``<out>/rank<N>.json``, waits for the others, shuts the engine
+  and the process groups down and exits 0: the script need not know it is being measured.
+
+The key is the tool's; DeepSpeed ignores top-level keys it does not know, so a stock arm's config is otherwise
+the user's own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+from . import ledger
+from .step_recorder import StepRecorder
+
+RECORD_KEY = "async_hzp_record"
+PROGRESS_MARK = "asynchzp-ab-step"
+ZEROPP_QUANTIZER_KEYS = ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients")
+
+
+@dataclass(frozen=True)
+class RecordSettings:
+    """The ``async_hzp_record`` key of an arm's ds_config."""
+
+    out_dir: str
+    arm: str
+    steps: int
+    warmup_steps: int = 1
+    # Substring of the optimizer class the arm must build (checked, so an arm never measures another).
+    expected_optimizer: str | None = None
+    # Emulated nodes: local rank 0 of each node reads its node link's transmit counter.
+    read_link_counter: bool = False
+    node_size: int | None = None
+    launched_at: float | None = None
+
+    @classmethod
+    def from_ds_config(cls, ds_config: dict) -> "RecordSettings | None":
+        raw = ds_config.get(RECORD_KEY)
+        if raw is None:
+            return None
+        if not isinstance(raw, dict) or not raw.get("out_dir") or not raw.get("arm") or not raw.get("steps"):
+            raise ValueError(f"ds_config key {RECORD_KEY!r} is written by asynchzp-ab and needs out_dir, arm and "
+                             f"steps; got {raw!r}. Remove the key to train without recording.")
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in raw.items() if k in known})
+
+
+def uses_zeropp_quantizer(ds_config: dict) -> bool:
+    """Whether stock ZeRO++ will load DeepSpeed's quantizer (qwZ or qgZ is on)."""
+    zero = ds_config.get("zero_optimization") or {}
+    return any(zero.get(key) for key in ZEROPP_QUANTIZER_KEYS)
+
+
+def stock_scale_ops(ds_config: dict) -> tuple:
+    """The ops whose floating-point collectives carry stock ZeRO++'s scales: qwZ gathers INT8 weights and
+    their scales; qgZ's all-to-alls send INT4 gradients and their scales."""
+    zero = ds_config.get("zero_optimization") or {}
+    return tuple(op for key, op in (("zero_quantized_weights", "all_gather"),
+                                    ("zero_quantized_gradients", "all_to_all")) if zero.get(key))
+
+
+def prepare_rank(ds_config: dict, node_size: int | None) -> None:
+    """Before the engine is built (deepspeed.comm initialised): count every collective; on CPU ranks, stand the
+    package's quantizer in for stock ZeRO++'s CUDA-only one."""
+    from ..platform.deepspeed_internals import install_cpu_zeropp_quantizer
+
+    ledger.install(node_size)
+    if uses_zeropp_quantizer(ds_config):
+        install_cpu_zeropp_quantizer()  # changes nothing where DeepSpeed has its own (CUDA)
+    scale_ops = stock_scale_ops(ds_config)
+    if scale_ops:
+        ledger.get().count_floating_as_scales(scale_ops)
+
+
+def check_engine(engine, ds_config: dict, expected_optimizer: str | None, arm: str) -> None:
+    """The engine is the arm's: its optimizer class contains `expected_optimizer`; an offload arm steps with
+    DeepSpeed's host Adam. Otherwise the arm would not measure what it claims to."""
+    from ..platform.deepspeed_internals import autoep_groups
+
+    name = type(engine.optimizer).__name__
+    if expected_optimizer and expected_optimizer not in name:
+        hint = (" (does the script call ds_asynchzp.initialize, or ds_asynchzp.register() before the framework "
+                "builds its engine?)" if expected_optimizer == "HierarchicalZeroOptimizer" else "")
+        raise RuntimeError(f"arm {arm}: expects an optimizer whose class name contains {expected_optimizer!r}, but "
+                           f"the engine built {type(engine.optimizer).__module__}.{name}{hint}; the arm would not "
+                           "measure what it claims to")
+    offload = ((ds_config.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device")
+    host = type(getattr(engine.optimizer, "optimizer", None)).__name__
+    if str(offload).lower() == "cpu" and "CPUAdam" not in host:
+        raise RuntimeError(f"arm {arm}: the arm offloads the optimizer, but the engine steps with {host}, not "
+                           "DeepSpeedCPUAdam; the arm would not measure what it claims to")
+    # AutoEP's groups, so the ledger can tell expert and token traffic from dense traffic.
+    ledger.get().set_expert_groups(*autoep_groups())
+
+
+def write_json_atomically(path: str, data: dict) -> None:
+    # A reader (and a crash mid-write) never sees a half-written record.
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+
+
+class EngineRecording:
+    """Wraps one engine's forward, backward and step (instance attributes, so every caller, a framework's
+    wrapper included, goes through them) and drives a `StepRecorder`."""
+
+    def __init__(self, engine, ds_config: dict, settings: RecordSettings, started: float):
+        from ..platform.deepspeed_internals import ds_comm
+
+        self.engine, self.ds_config, self.settings = engine, ds_config, settings
+        self.rank, self.world = ds_comm.get_rank(), ds_comm.get_world_size()
+        self._barrier = ds_comm.barrier
+        self.startup = {"initialize_s": time.perf_counter() - started}
+        if settings.launched_at is not None:
+            # From the tool starting the launch command to this rank's engine: interpreters, imports, launcher.
+            self.startup["launch_to_engine_s"] = max(0.0, time.time() - settings.launched_at
+                                                     - self.startup["initialize_s"])
+        self.recorder = StepRecorder(engine, steps=settings.steps, warmup_steps=settings.warmup_steps,
+                                     node_size=ledger.get().node_size, rank=self.rank, world=self.world,
+                                     read_link_counter=settings.read_link_counter, barrier=ds_comm.barrier)
+        self._losses: list = []
+        self._forward, self._backward, self._step = engine.forward, engine.backward, engine.step
+        engine.forward, engine.backward, engine.step = self.forward, self.backward, self.step
+
+    def forward(self, *args, **kwargs):
+        import torch
+
+        # A forward with gradients opens an optimizer step; evaluation forwards (no grad) do not.
+        if self.recorder._open is None and torch.is_grad_enabled():
+            self.recorder.begin_step()
+        with ledger.phase("forward"):
+            return self._forward(*args, **kwargs)
+
+    def backward(self, loss, *args, **kwargs):
+        if self.recorder._open is None:
+            self.recorder.begin_step()
+        self._losses.append(loss.detach())
+        with ledger.phase("backward"):
+            return self._backward(loss, *args, **kwargs)
+
+    def step(self, *args, **kwargs):
+        boundary = self.engine.is_gradient_accumulation_boundary()
+        if boundary:
+            self.recorder.before_last_step()
+        with ledger.phase("step"):
+            result = self._step(*args, **kwargs)
+        if boundary and self.recorder._open is not None:
+            self._end_step()
+        return result
+
+    def _end_step(self) -> None:
+        import torch
+        from deepspeed.accelerator import get_accelerator
+
+        get_accelerator().synchronize()  # a device's queued work belongs to the step it was issued in
+        losses = self._losses
+        self._losses = []
+        loss = float(torch.stack([l.float().reshape(()) for l in losses]).mean()) if losses else float("nan")
+        self.recorder.end_step(loss)
+        done = self.recorder.index
+        if self.rank == 0:
+            print(f"{PROGRESS_MARK} {done}/{self.settings.steps} arm {self.settings.arm} loss {loss:.6f}", flush=True)
+        if done >= self.settings.steps:
+            self._finish()
+
+    def _finish(self) -> None:
+        """Write this rank's record, wait for every rank's, shut down, exit 0 (the script's remaining code is not
+        run: the arm has what it came for)."""
+        import torch
+
+        record = self.recorder.finish(self.ds_config)
+        record.update({"arm": self.settings.arm, "startup_s": self.startup})
+        os.makedirs(self.settings.out_dir, exist_ok=True)
+        write_json_atomically(os.path.join(self.settings.out_dir, f"rank{self.rank}.json"), record)
+        # No rank leaves while a peer may still be in the last step's collectives.
+        self._barrier()
+        destroy = getattr(self.engine, "destroy", None)
+        if destroy is not None:
+            destroy()
+        if self.rank == 0:
+            print(f"[ds_asynchzp] asynchzp-ab: arm {self.settings.arm}: {self.settings.steps} optimizer steps "
+                  f"recorded in {self.settings.out_dir}; ending the job", flush=True)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        if os.environ.get("LOCAL_RANK") == "0" and os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
+            # DeepSpeed's CPU communication op leaves a shared-memory workspace per rank (66 MiB of RAM each) that
+            # nothing removes once the job is ended here; every rank has passed the barrier, so none is in use.
+            from ..platform.deepspeed_internals import cpu_comm_workspaces
+
+            for path in cpu_comm_workspaces(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])):
+                path.unlink(missing_ok=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Not SystemExit: a script (or a framework) may catch that and go on training. The record is on disk.
+        os._exit(0)
+
+
+_ATTACHED: list = []
+
+
+def begin(ds_config: dict) -> tuple[RecordSettings, float] | None:
+    """Before the engine is built: the settings of a recorded arm (None without the key), with communication
+    initialised as `deepspeed.initialize` would and the ledger counting."""
+    settings = RecordSettings.from_ds_config(ds_config)
+    if settings is None or _ATTACHED:
+        return None   # one engine per job is recorded: the first with an optimizer
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    from ..platform.deepspeed_internals import ds_comm
+
+    started = time.perf_counter()
+    if not ds_comm.is_initialized():
+        deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    prepare_rank(ds_config, settings.node_size)
+    return settings, started
+
+
+def attach(engine, ds_config: dict, begun: tuple[RecordSettings, float]) -> None:
+    """After the engine is built: check it is the arm's and record its optimizer steps."""
+    settings, started = begun
+    if getattr(engine, "optimizer", None) is None:
+        return  # a parameter-only engine (a reference model): nothing steps
+    check_engine(engine, ds_config, settings.expected_optimizer, settings.arm)
+    _ATTACHED.append(EngineRecording(engine, ds_config, settings, started))

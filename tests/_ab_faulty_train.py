@@ -1,0 +1,49 @@
+"""examples/train.py with faults planted per asynchzp-ab arm, for the tool's failure tests.
+
+    _ab_faulty_train.py --die-arm ARM --short-arm ARM [train.py's arguments]
+
+Under the arm named by --die-arm, rank 1 dies (exit 3) in its second optimizer step; under --short-arm the script
+trains a single optimizer step and ends normally. Other arms train as examples/train.py does.
+"""
+
+import json
+import os
+import runpy
+import sys
+from pathlib import Path
+
+import deepspeed.runtime.engine as ds_engine
+
+
+def _take(flag: str) -> str | None:
+    if flag not in sys.argv:
+        return None
+    at = sys.argv.index(flag)
+    value = sys.argv[at + 1]
+    del sys.argv[at:at + 2]
+    return value
+
+
+def main():
+    die_arm, short_arm = _take("--die-arm"), _take("--short-arm")
+    config = json.loads(Path(sys.argv[sys.argv.index("--deepspeed_config") + 1]).read_text())
+    arm = config["async_hzp_record"]["arm"]
+    if arm == short_arm:
+        sys.argv += ["--steps", "1"]
+    if arm == die_arm and os.environ.get("RANK") == "1":
+        original, boundaries = ds_engine.DeepSpeedEngine.step, []
+
+        def step(self, *args, **kwargs):
+            if self.is_gradient_accumulation_boundary():
+                boundaries.append(1)
+                if len(boundaries) == 2:
+                    os._exit(3)
+            return original(self, *args, **kwargs)
+
+        ds_engine.DeepSpeedEngine.step = step
+    sys.argv[0] = str(Path(__file__).resolve().parents[1] / "examples" / "train.py")
+    runpy.run_path(sys.argv[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
