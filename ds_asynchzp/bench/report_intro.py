@@ -46,7 +46,7 @@ def opening(results: dict, stats: dict) -> list[str]:
     """One short paragraph: what was measured, the speed-up of asynchzp over zero3 and where it comes from."""
     arms = results.get("arms") or {}
     config = results.get("config") or {}
-    what = (f"your command `{config.get('command')}`" if is_job_run(results)
+    what = (f"the command `{config.get('command')}`" if is_job_run(results)
             else f"the `{config.get('model', NA)}` model (ZeRO-3 knobs `{config.get('zero3_knobs', NA)}`)")
     text = f"**Summary.** {', '.join(arms)} trained {what} on {_where(results)}, side by side in one run."
     ref, head = arms.get(REFERENCE_ARM), arms.get(HEADLINE_ARM)
