@@ -1,9 +1,9 @@
-"""examples/train.py with faults planted per asynchzp-ab arm, for the tool's failure tests.
+"""examples/train.py with a fault planted per asynchzp-ab arm, for the tool's failure test.
 
-    _ab_faulty_train.py --die-arm ARM --short-arm ARM [train.py's arguments]
+    _ab_faulty_train.py --die-arm ARM [train.py's arguments]
 
-Under the arm named by --die-arm, rank 1 dies (exit 3) in its second optimizer step; under --short-arm the script
-trains a single optimizer step and ends normally. Other arms train as examples/train.py does.
+Under the arm named by --die-arm, rank 1 dies (exit 3) in its second optimizer step. Other arms train as
+examples/train.py does.
 """
 
 import json
@@ -25,11 +25,9 @@ def _take(flag: str) -> str | None:
 
 
 def main():
-    die_arm, short_arm = _take("--die-arm"), _take("--short-arm")
+    die_arm = _take("--die-arm")
     config = json.loads(Path(sys.argv[sys.argv.index("--deepspeed_config") + 1]).read_text())
     arm = config["async_hzp_record"]["arm"]
-    if arm == short_arm:
-        sys.argv += ["--steps", "1"]
     if arm == die_arm and os.environ.get("RANK") == "1":
         original, boundaries = ds_engine.DeepSpeedEngine.step, []
 

@@ -19,7 +19,7 @@ def test_rate_lists_are_checked_before_anything_runs(capsys):
         with pytest.raises(ValueError):
             sweep.parse_rates(bad)
     with pytest.raises(SystemExit):
-        cli.parse_args(["--inter-node-bw", "50mbit,1gbit"])  # loopback: nothing to shape
+        cli.parse_args(["--network", "loopback", "--inter-node-bw", "50mbit,1gbit"])  # nothing to shape
     assert "needs --network emulated" in capsys.readouterr().err
 
 
