@@ -216,3 +216,28 @@ def test_hf_trainer_example_through_register_on_two_emulated_nodes(tmp_path):
     layout = results["arms"]["asynchzp"]["layout"]
     assert (layout["num_nodes"], layout["node_size"], layout["param_shard_size"]) == (2, 2, 2), layout
     assert "was lost" not in Path(results["runs"]["asynchzp"]["log"]).read_text()
+
+
+def test_ctrl_c_stops_the_running_arm_and_says_where_the_finished_ones_are(tmp_path):
+    import os
+    import signal
+    import time
+
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps(_user_config()))
+    marker = tmp_path / "child.pid"
+    child = f"import os, time; open({str(marker)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    proc = subprocess.Popen([*AB, "--config", str(config), "--arms", "zero3", "--node-size", "1", "--out",
+                             str(tmp_path / "out"), "--", sys.executable, "-c", child, "{config}"],
+                            cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert marker.exists(), "the arm's command never started"
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "interrupted; the arms that finished are in" in err
+    time.sleep(0.5)
+    assert not os.path.exists(f"/proc/{int(marker.read_text())}"), "the arm's command outlived the tool"

@@ -351,8 +351,14 @@ def main(argv: list[str] | None = None) -> int:
     from .report import write_report
     from .table import format_table
 
-    results = run_ab(args)
     out = Path(args.out)
+    try:
+        results = run_ab(args)
+    except KeyboardInterrupt:
+        # The running arm's command was stopped (its process group, emulated nodes included) before this.
+        print(f"\n{PROG}: interrupted; the arms that finished are in {out / 'results.json'}", file=sys.stderr,
+              flush=True)
+        return 130
     if results["arms"]:
         table = format_table(results)
         (out / "summary.md").write_text(table + "\n", encoding="utf-8")
