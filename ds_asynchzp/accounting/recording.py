@@ -19,13 +19,14 @@ the user's own.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
 from dataclasses import dataclass
 
+from ..config_compat import offloads_optimizer
 from . import ledger
+from .json_files import write_json_atomically
 from .step_recorder import StepRecorder
 
 RECORD_KEY = "async_hzp_record"
@@ -99,21 +100,12 @@ def check_engine(engine, ds_config: dict, expected_optimizer: str | None, arm: s
         raise RuntimeError(f"arm {arm}: expects an optimizer whose class name contains {expected_optimizer!r}, but "
                            f"the engine built {type(engine.optimizer).__module__}.{name}{hint}; the arm would not "
                            "measure what it claims to")
-    offload = ((ds_config.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device")
     host = type(getattr(engine.optimizer, "optimizer", None)).__name__
-    if str(offload).lower() == "cpu" and "CPUAdam" not in host:
+    if offloads_optimizer(ds_config) and "CPUAdam" not in host:
         raise RuntimeError(f"arm {arm}: the arm offloads the optimizer, but the engine steps with {host}, not "
                            "DeepSpeedCPUAdam; the arm would not measure what it claims to")
     # AutoEP's groups, so the ledger can tell expert and token traffic from dense traffic.
     ledger.get().set_expert_groups(*autoep_groups())
-
-
-def write_json_atomically(path: str, data: dict) -> None:
-    # A reader (and a crash mid-write) never sees a half-written record.
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
 
 
 class EngineRecording:
@@ -142,13 +134,13 @@ class EngineRecording:
         import torch
 
         # A forward with gradients opens an optimizer step; evaluation forwards (no grad) do not.
-        if self.recorder._open is None and torch.is_grad_enabled():
+        if not self.recorder.in_step and torch.is_grad_enabled():
             self.recorder.begin_step()
         with ledger.phase("forward"):
             return self._forward(*args, **kwargs)
 
     def backward(self, loss, *args, **kwargs):
-        if self.recorder._open is None:
+        if not self.recorder.in_step:
             self.recorder.begin_step()
         self._losses.append(loss.detach())
         with ledger.phase("backward"):
@@ -160,7 +152,7 @@ class EngineRecording:
             self.recorder.before_last_step()
         with ledger.phase("step"):
             result = self._step(*args, **kwargs)
-        if boundary and self.recorder._open is not None:
+        if boundary and self.recorder.in_step:
             self._end_step()
         return result
 
@@ -187,7 +179,7 @@ class EngineRecording:
         record = self.recorder.finish(self.ds_config)
         record.update({"arm": self.settings.arm, "startup_s": self.startup})
         os.makedirs(self.settings.out_dir, exist_ok=True)
-        write_json_atomically(os.path.join(self.settings.out_dir, f"rank{self.rank}.json"), record)
+        write_json_atomically(os.path.join(self.settings.out_dir, f"rank{self.rank}.json"), record, indent=None)
         # No rank leaves while a peer may still be in the last step's collectives.
         self._barrier()
         destroy = getattr(self.engine, "destroy", None)

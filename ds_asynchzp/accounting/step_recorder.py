@@ -174,6 +174,11 @@ class StepRecorder:
     def index(self) -> int:
         return len(self.steps)
 
+    @property
+    def in_step(self) -> bool:
+        """Between `begin_step` and `end_step`."""
+        return self._open is not None
+
     def _align(self) -> None:
         if self._barrier is not None:
             self._barrier()

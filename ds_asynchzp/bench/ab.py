@@ -31,10 +31,11 @@ import threading
 import time
 from pathlib import Path
 
+from ..accounting.json_files import write_json_atomically
 from ..accounting.recording import PROGRESS_MARK, RECORD_KEY
 from .aggregate import aggregate_arm, merge_repeats
 from .arms import ARMS, ArmSpecError, arm_ds_config, parse_arm_specs
-from .cli import _log_dir_name, _positive_float, _positive_int, _non_negative_int, environment, write_json_atomically
+from .cli import _log_dir_name, _non_negative_int, _positive_float, _positive_int, environment
 from .offload import host_state_bytes
 
 PROG = "asynchzp-ab"

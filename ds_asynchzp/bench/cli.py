@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.metadata
-import json
 import os
 import platform
 import re
@@ -21,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..accounting.json_files import write_json_atomically
 from ..layout import expert_members_per_node
 from ..planner.moe import UNSUPPORTED_ARMS as MOE_UNSUPPORTED_ARMS
 from .aggregate import aggregate_arm, merge_repeats
@@ -426,13 +426,6 @@ def _model_parameter_count(args: argparse.Namespace) -> int:
     from .worker import build_bench_model
 
     return count_parameters(build_bench_model(args.model, args.moe_experts, args.seq_len, seed=0))["total"]
-
-
-def write_json_atomically(path: Path, data: dict) -> None:
-    # Readers (and a crash mid-write) never see a half-written file.
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------------------------- driving
