@@ -111,6 +111,23 @@ def test_deepspeeds_shared_memory_workspaces_are_removed_after_the_launch(tmp_pa
     assert [path for path in seen if Path(path).exists()] == []
 
 
+def test_ranks_get_the_launchers_cpu_description_without_a_child_process(tmp_path):
+    """DeepSpeed's CPU op builders ask py-cpuinfo twice per op they load, a child interpreter each time; in a launched
+    rank the answer is the launcher's, asked once, and every call gets its own copy."""
+    import cpuinfo
+
+    results = launch_local(f"{WORKERS}:cpu_info_without_a_child", 2, 2, {}, timeout_s=120, workdir=str(tmp_path),
+                           env=CHILD_ENV)
+    mine = cpuinfo.get_cpu_info()
+    for result in results:
+        assert result["children"] == 0 and result["fresh_copies"], {k: v for k, v in result.items() if k != "info"}
+        assert (result["info"]["arch"], result["info"]["flags"]) == (mine["arch"], mine["flags"])
+    # Without the launcher's answer a rank asks py-cpuinfo itself, as it would under any other launcher.
+    asked = launch_local(f"{WORKERS}:cpu_info_without_a_child", 1, 1, {}, timeout_s=120,
+                         workdir=str(tmp_path / "own"), env=dict(CHILD_ENV, **{launch.CPU_INFO_ENV: ""}))
+    assert asked[0]["children"] >= 2 and asked[0]["info"]["flags"] == mine["flags"]
+
+
 def test_rank_dying_without_result_reports_exit_code_and_log(tmp_path):
     with pytest.raises(RankFailure) as info:
         launch_local(f"{WORKERS}:exit3_on_rank1", 2, 2, {}, timeout_s=60,

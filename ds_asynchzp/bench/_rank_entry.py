@@ -15,6 +15,8 @@ import signal
 import sys
 import traceback
 
+from ds_asynchzp.bench.launch import CPU_INFO_ENV, reuse_cpu_info
+
 
 def resolve_target(target: str):
     """Import ``"package.module:attr[.attr...]"`` and return the named object."""
@@ -60,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     try:
+        # The launcher's description of this machine, for DeepSpeed's op builders (launch.py `_cpu_info_json`).
+        reuse_cpu_info(os.environ.get(CPU_INFO_ENV, ""))
         with open(payload_path, encoding="utf-8") as f:
             payload = json.load(f)
         result = resolve_target(target)(payload)

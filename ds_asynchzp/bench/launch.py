@@ -8,6 +8,7 @@ rank outlives :func:`launch_local` on any path (success, failure, timeout, Ctrl-
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -39,6 +40,8 @@ HUNG_LOG_TAIL_LINES = 80
 # Directory holding the ds_asynchzp package; children need it on sys.path to run
 # `-m ds_asynchzp.bench._rank_entry` when the package is used from a source checkout.
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent.parent
+# The machine's CPU description (py-cpuinfo's JSON), handed to the ranks: see `_cpu_info_json`.
+CPU_INFO_ENV = "DS_ASYNCHZP_CPU_INFO"
 
 
 class RankFailure(RuntimeError):
@@ -140,6 +143,9 @@ def _rank_env(r: int, nproc: int, node_size: int, port: int, overrides: dict | N
         "OMP_NUM_THREADS": "1",
         "PYTHONUNBUFFERED": "1",
     })
+    cpu_info = _cpu_info_json()
+    if cpu_info:
+        env[CPU_INFO_ENV] = cpu_info
     scripts_first_on_path(env)
     env.update({k: str(v) for k, v in (overrides or {}).items()})
     if not _is_site_dir(_PACKAGE_ROOT):
@@ -147,6 +153,33 @@ def _rank_env(r: int, nproc: int, node_size: int, port: int, overrides: dict | N
         if str(_PACKAGE_ROOT) not in entries:
             env["PYTHONPATH"] = os.pathsep.join([str(_PACKAGE_ROOT), *entries])
     return env
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_info_json() -> str:
+    """py-cpuinfo's description of this machine, asked once per launcher process. DeepSpeed's CPU op builders ask
+    for it twice per op they load (for the compiler flags that key the build cache), and each answer starts a child
+    Python (about 1 s of CPU): 4 to 6 s per rank, all ranks at once on a few cores. The ranks run on this machine,
+    so the launcher's answer is theirs (`_rank_entry` calls `reuse_cpu_info`). Empty where py-cpuinfo fails."""
+    try:
+        import cpuinfo
+
+        return cpuinfo.get_cpu_info_json()
+    except Exception:  # noqa: BLE001 - the ranks then ask py-cpuinfo themselves, as they would without this
+        return ""
+
+
+def reuse_cpu_info(text: str) -> None:
+    """Answer py-cpuinfo's `get_cpu_info` in this process with `text` (its JSON, of this machine) instead of a child
+    interpreter per call. Nothing changes where `text` is empty or py-cpuinfo is not installed."""
+    if not text:
+        return
+    try:
+        import cpuinfo
+    except ImportError:
+        return
+    described = json.loads(text)
+    cpuinfo.get_cpu_info = lambda: json.loads(json.dumps(described))     # a fresh dict per call, as py-cpuinfo's
 
 
 def remove_cpu_comm_workspaces(master_addr: str, master_port: int) -> None:
@@ -359,6 +392,7 @@ def prepare_ops() -> None:
     stopped mid-build leaves that lock behind, and every later process waits on it."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     scripts_first_on_path(os.environ)    # the ninja the ranks will use, so they find the build cached
+    reuse_cpu_info(_cpu_info_json())     # asked once here, not twice per op
     from deepspeed.accelerator import get_accelerator
 
     for builder, what in _DEEPSPEED_CPU_OPS:
