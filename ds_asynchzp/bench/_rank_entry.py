@@ -15,6 +15,7 @@ import signal
 import sys
 import traceback
 
+from ds_asynchzp.accounting.json_files import write_text_atomically
 from ds_asynchzp.bench.launch import CPU_INFO_ENV, reuse_cpu_info
 
 
@@ -27,15 +28,6 @@ def resolve_target(target: str):
     for part in attr_path.split("."):
         obj = getattr(obj, part)
     return obj
-
-
-def _write_atomically(path: str, text: str) -> None:
-    # Write-then-rename so the launcher never reads a half-written file from a rank
-    # that got killed mid-write.
-    tmp_path = f"{path}.tmp"
-    with open(tmp_path, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp_path, path)
 
 
 def _close_communication() -> None:
@@ -77,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         exit_code = 1
 
     _close_communication()
-    _write_atomically(result_path, text)
+    # Written whole: the launcher never reads a half-written file from a rank killed mid-write.
+    write_text_atomically(result_path, text)
     sys.stdout.flush()
     sys.stderr.flush()
     return exit_code

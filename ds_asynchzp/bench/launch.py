@@ -178,8 +178,7 @@ def reuse_cpu_info(text: str) -> None:
         import cpuinfo
     except ImportError:
         return
-    described = json.loads(text)
-    cpuinfo.get_cpu_info = lambda: json.loads(json.dumps(described))     # a fresh dict per call, as py-cpuinfo's
+    cpuinfo.get_cpu_info = lambda: json.loads(text)     # a fresh dict per call, as py-cpuinfo's
 
 
 def remove_cpu_comm_workspaces(master_addr: str, master_port: int) -> None:
