@@ -120,10 +120,15 @@ def offload_specs() -> list:
     return specs
 
 
+def _planted_on(specs: list, plants: dict, key_base: int) -> list:
+    """Each plant on the specs at its listed indices, under keys of its own (key_base * (i + 2) + the case's)."""
+    return [dict(spec, plant=plant, key=str(key_base * (i + 2) + int(spec.get("key", spec["seed"])) % key_base))
+            for i, (plant, cases) in enumerate(plants.items())
+            for index, spec in enumerate(specs) if index in cases]
+
+
 def offload_planted_specs() -> list:
-    return [dict(spec, plant=plant, key=str(OFFLOAD_KEY * (i + 2) + int(spec.get("key", spec["seed"])) % OFFLOAD_KEY))
-            for i, (plant, cases) in enumerate(OFFLOAD_PLANTS.items())
-            for index, spec in enumerate(offload_specs()) if index in cases]
+    return _planted_on(offload_specs(), OFFLOAD_PLANTS, OFFLOAD_KEY)
 
 
 def test_the_fuzzer_catches_a_planted_offload_defect(ci_results):
@@ -174,9 +179,7 @@ SP_EPS_CASE = dict(fuzz_models.case_spec(165), offload=True, eps=1e-4, key=str(S
 
 
 def sp_planted_specs() -> list:
-    return [dict(spec, plant=plant, key=str(SP_KEY * (i + 2) + int(spec.get("key", spec["seed"])) % SP_KEY))
-            for i, (plant, cases) in enumerate(SP_PLANTS.items())
-            for index, spec in enumerate(sp_specs()) if index in cases]
+    return _planted_on(sp_specs(), SP_PLANTS, SP_KEY)
 
 
 def test_sequence_parallelism_trains_as_stock_zero3_with_the_same_sp(ci_results):
