@@ -13,27 +13,36 @@ namespace cuda {
 
 enum DType : int32_t { kFloat32 = 0, kBFloat16 = 1 };
 
-// Layout ops are cut into units of at most this many bytes / elements, one thread block each.
-static const int64_t kCopyUnitBytes = 64 * 1024;
-static const int64_t kFillUnitElements = 16 * 1024;
+// A layout op is a table of segments: contiguous runs of its output, each fed by one contiguous run of one input.
+// The host writes one entry per run (not per tile), so its work grows with the number of runs, never with the
+// bytes; the kernel cuts every segment into tiles of a fixed size, one thread block per tile, and finds a
+// block's segment by a binary search over `first_tile` (the running count of tiles before the segment).
+static const int64_t kCopyTileBytes = 8 * 1024;
+static const int64_t kFillTileElements = 4 * 1024;
 
-struct CopyUnit {
+struct CopySegment {
     const char* src;
     char* dst;
-    int64_t bytes;
+    int64_t bytes;       // > 0
+    int64_t first_tile;  // tiles of the segments before this one
 };
 
-struct FillUnit {
-    const void* src;   // gradient elements, from this unit's first one
-    void* dst;         // bucket elements, of the bucket's dtype
-    int64_t len;       // elements of the bucket this unit writes
-    int64_t valid;     // of which the first `valid` come from the gradient, the rest is padding
-    int32_t src_type;  // DType of the gradient
+struct FillSegment {
+    const void* src;     // gradient elements, from this segment's first one; nullptr: zeros (the padding)
+    void* dst;           // bucket elements, of the bucket's dtype
+    int64_t len;         // elements, > 0
+    int64_t first_tile;
+    int32_t src_type;    // DType of the gradient
+    int32_t unused;
 };
 
-cudaError_t copy_units(const CopyUnit* units, int64_t count, cudaStream_t stream);
-cudaError_t fill_units(const FillUnit* units, int64_t count, DType bucket_type, float scale, bool accumulate,
-                       cudaStream_t stream);
+// Tiles a segment of `size` bytes (copy) or elements (fill) is cut into.
+inline int64_t copy_tiles(int64_t bytes) { return (bytes + kCopyTileBytes - 1) / kCopyTileBytes; }
+inline int64_t fill_tiles(int64_t len) { return (len + kFillTileElements - 1) / kFillTileElements; }
+
+cudaError_t copy_segments(const CopySegment* segments, int64_t count, int64_t tiles, cudaStream_t stream);
+cudaError_t fill_segments(const FillSegment* segments, int64_t count, int64_t tiles, DType bucket_type, float scale,
+                          bool accumulate, cudaStream_t stream);
 cudaError_t quantize(DType x_type, const void* x, int64_t n, int bits, int64_t block_size, void* q, float* scales,
                      cudaStream_t stream);
 cudaError_t dequantize(DType out_type, const void* q, const float* scales, void* out, int64_t n, int bits,

@@ -1,8 +1,9 @@
-// CUDA kernels registered for the ops' CUDA dispatch key: tensors in, unit tables and launches out.
+// CUDA kernels registered for the ops' CUDA dispatch key: tensors in, segment tables and launches out.
 //
-// Built only where CUDA is present, by the host compiler (the kernels themselves are in cuda_kernels.cu). The
-// layout ops are cut on the host into units of bounded size (one thread block each) whose table is uploaded
-// with the launch, on the current stream; the quantization ops launch directly.
+// Built only where CUDA is present, by the host compiler (the kernels themselves are in cuda_layout.cu and
+// cuda_quant.cu). A layout op becomes a table with one entry per contiguous run of its output (cuda_kernels.h),
+// built on the host in time that grows with the runs, not the bytes, and reused on the device when the same call
+// comes again (cuda_tables.h); the quantization ops launch directly.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -11,18 +12,23 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cstring>
 #include <utility>
 #include <vector>
 
 #include "cuda_kernels.h"
+#include "cuda_tables.h"
 #include "tensor_runs.h"
 
 namespace dsa {
 namespace {
 
-using cuda::CopyUnit;
-using cuda::FillUnit;
+using cuda::CopySegment;
+using cuda::FillSegment;
+
+DeviceTables& device_tables() {
+    static DeviceTables* tables = new DeviceTables();  // never destroyed: CUDA may be gone at exit
+    return *tables;
+}
 
 void check_launch(cudaError_t err, const char* op) {
     TORCH_CHECK(err == cudaSuccess, "ds_asynchzp ", op, ": CUDA launch failed: ", cudaGetErrorString(err));
@@ -32,35 +38,33 @@ void check_cuda(const at::Tensor& t, const at::Tensor& like, const char* what) {
     TORCH_CHECK(t.is_cuda() && t.device() == like.device(), "ds_asynchzp ops: ", what, " must be on ", like.device());
 }
 
-// The unit table, uploaded through pinned memory on the current stream (the caching host allocator keeps the
-// pinned block until the copy has run). Returned so the device copy lives until the launch is enqueued.
-template <class Unit>
-at::Tensor upload(const std::vector<Unit>& units, const at::Device& device) {
-    const int64_t bytes = static_cast<int64_t>(units.size() * sizeof(Unit));
-    at::Tensor host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-    std::memcpy(host.data_ptr(), units.data(), static_cast<size_t>(bytes));
-    return host.to(device, /*non_blocking=*/true);
-}
-
 cuda::DType dtype_of(const at::Tensor& t, const char* what) {
     if (t.scalar_type() == at::kFloat) return cuda::kFloat32;
     TORCH_CHECK(t.scalar_type() == at::kBFloat16, "ds_asynchzp ops: ", what, " must be fp32 or bf16");
     return cuda::kBFloat16;
 }
 
-void add_copy(std::vector<CopyUnit>& units, const char* src, char* dst, int64_t bytes) {
-    for (int64_t off = 0; off < bytes; off += cuda::kCopyUnitBytes) {
-        units.push_back({src + off, dst + off, std::min(cuda::kCopyUnitBytes, bytes - off)});
-    }
-}
+// A copy table under construction: one segment per run, numbered in tiles.
+struct CopyTable {
+    std::vector<CopySegment> segments;
+    int64_t tiles = 0;
 
-void run_copies(const std::vector<CopyUnit>& units, const at::Device& device, const char* op) {
-    if (units.empty()) return;
-    at::Tensor table = upload(units, device);
-    check_launch(cuda::copy_units(reinterpret_cast<const CopyUnit*>(table.data_ptr()),
-                                  static_cast<int64_t>(units.size()), c10::cuda::getCurrentCUDAStream()),
-                 op);
-}
+    void add(const char* src, char* dst, int64_t bytes) {
+        if (bytes <= 0) return;
+        segments.push_back({src, dst, bytes, tiles});
+        tiles += cuda::copy_tiles(bytes);
+    }
+
+    void run(const char* op) const {
+        if (segments.empty()) return;
+        const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream();
+        at::Tensor scratch;
+        const void* table = device_tables().get(segments, stream, scratch);
+        check_launch(cuda::copy_segments(static_cast<const CopySegment*>(table),
+                                         static_cast<int64_t>(segments.size()), tiles, stream),
+                     op);
+    }
+};
 
 void pack_cuda(at::TensorList srcs, const at::Tensor& out) {
     c10::cuda::CUDAGuard guard(out.device());
@@ -68,7 +72,7 @@ void pack_cuda(at::TensorList srcs, const at::Tensor& out) {
     const int64_t es = out.element_size();
     char* dst = static_cast<char*>(out.data_ptr());
     std::vector<at::Tensor> keep;
-    std::vector<CopyUnit> units;
+    CopyTable table;
     int64_t pos = 0;
     for (const at::Tensor& t : srcs) {
         check_cuda(t, out, "srcs");
@@ -83,11 +87,11 @@ void pack_cuda(at::TensorList srcs, const at::Tensor& out) {
             r = contiguous_runs(t.numel());
         }
         for (int64_t row = 0; row < r.rows; ++row, pos += r.cols) {
-            add_copy(units, base + row * r.stride * es, dst + pos * es, r.cols * es);
+            table.add(base + row * r.stride * es, dst + pos * es, r.cols * es);
         }
     }
     TORCH_CHECK(pos == out.numel(), "pack: the sources hold ", pos, " elements, out ", out.numel());
-    run_copies(units, out.device(), "pack");
+    table.run("pack");
 }
 
 void unpack_cuda(const at::Tensor& flat, at::TensorList outs) {
@@ -96,7 +100,7 @@ void unpack_cuda(const at::Tensor& flat, at::TensorList outs) {
     const int64_t es = flat.element_size();
     const char* src = static_cast<const char*>(flat.data_ptr());
     std::vector<std::pair<at::Tensor, at::Tensor>> staged;
-    std::vector<CopyUnit> units;
+    CopyTable table;
     int64_t pos = 0;
     for (const at::Tensor& t : outs) {
         check_cuda(t, flat, "outs");
@@ -111,11 +115,11 @@ void unpack_cuda(const at::Tensor& flat, at::TensorList outs) {
             r = contiguous_runs(t.numel());
         }
         for (int64_t row = 0; row < r.rows; ++row, pos += r.cols) {
-            add_copy(units, src + pos * es, base + row * r.stride * es, r.cols * es);
+            table.add(src + pos * es, base + row * r.stride * es, r.cols * es);
         }
     }
     TORCH_CHECK(pos == flat.numel(), "unpack: the outputs hold ", pos, " elements, flat ", flat.numel());
-    run_copies(units, flat.device(), "unpack");
+    table.run("unpack");
     for (auto& pair : staged) pair.first.copy_(pair.second);
 }
 
@@ -130,7 +134,7 @@ void unpack_gathered_cuda(const at::Tensor& recv, at::TensorList outs, at::IntAr
     TORCH_CHECK(recv.numel() == d * width, "unpack_gathered: recv must hold group_size * rows * sum(atoms)");
     const char* src = static_cast<const char*>(recv.data_ptr());
     std::vector<std::pair<at::Tensor, at::Tensor>> staged;
-    std::vector<CopyUnit> units;
+    CopyTable table;
     int64_t column = 0;
     for (size_t k = 0; k < outs.size(); ++k) {
         const at::Tensor& t = outs[k];
@@ -146,12 +150,12 @@ void unpack_gathered_cuda(const at::Tensor& recv, at::TensorList outs, at::IntAr
         for (int64_t r = 0; r < rows; ++r) {
             for (int64_t j = 0; j < d; ++j) {
                 const int64_t first = (r * d + j) * a, len = std::min(a, n - first);
-                if (len > 0) add_copy(units, src + (j * width + column + r * a) * es, base + first * es, len * es);
+                if (len > 0) table.add(src + (j * width + column + r * a) * es, base + first * es, len * es);
             }
         }
         column += rows * a;
     }
-    run_copies(units, recv.device(), "unpack_gathered");
+    table.run("unpack_gathered");
     for (auto& pair : staged) pair.first.copy_(pair.second);
 }
 
@@ -175,7 +179,15 @@ void bucket_add_cuda(const at::Tensor& bucket, at::TensorList grads, at::IntArra
         src[k] = static_cast<const char*>(keep.back().data_ptr());
     }
     char* out = static_cast<char*>(bucket.data_ptr());
-    std::vector<FillUnit> units;
+    // One segment per (member, gradient, row): its valid elements, then (when copying) its padding as a segment
+    // without a source, which the kernel fills with zeros. Accumulating leaves the padding as it is.
+    std::vector<FillSegment> segments;
+    int64_t tiles = 0;
+    auto add = [&](const char* from, char* to, int64_t len, int32_t type) {
+        if (len <= 0) return;
+        segments.push_back({from, to, len, tiles, type, 0});
+        tiles += cuda::fill_tiles(len);
+    };
     for (int64_t i = 0; i < d; ++i) {
         int64_t column = 0;
         for (size_t k = 0; k < grads.size(); ++k) {
@@ -184,21 +196,19 @@ void bucket_add_cuda(const at::Tensor& bucket, at::TensorList grads, at::IntArra
             for (int64_t r = 0; r < rows; ++r) {
                 const int64_t first = (r * d + i) * a;
                 char* dst = out + (i * width + column + r * a) * bes;
-                for (int64_t off = 0; off < a; off += cuda::kFillUnitElements) {
-                    const int64_t len = std::min(cuda::kFillUnitElements, a - off);
-                    const int64_t valid = std::max<int64_t>(0, std::min(len, n - first - off));
-                    const char* from = valid > 0 ? src[k] + (first + off) * es : src[k];
-                    units.push_back({from, dst + off * bes, len, valid, type});
-                }
+                const int64_t valid = std::max<int64_t>(0, std::min(a, n - first));
+                add(src[k] + first * es, dst, valid, type);
+                if (!accumulate) add(nullptr, dst + valid * bes, a - valid, type);
             }
             column += rows * a;
         }
     }
-    if (units.empty()) return;
-    at::Tensor table = upload(units, bucket.device());
-    check_launch(cuda::fill_units(reinterpret_cast<const FillUnit*>(table.data_ptr()),
-                                  static_cast<int64_t>(units.size()), bucket_type, static_cast<float>(scale),
-                                  accumulate, c10::cuda::getCurrentCUDAStream()),
+    if (segments.empty()) return;
+    const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream();
+    at::Tensor scratch;
+    const void* table = device_tables().get(segments, stream, scratch);
+    check_launch(cuda::fill_segments(static_cast<const FillSegment*>(table), static_cast<int64_t>(segments.size()),
+                                     tiles, bucket_type, static_cast<float>(scale), accumulate, stream),
                  "bucket_add");
 }
 

@@ -82,12 +82,16 @@ def test_the_training_checks_fail_on_what_they_must_catch():
 def test_a_cpu_dry_run_runs_every_part_that_needs_no_gpu(tmp_path, deepspeed_cpu_ops, capsys):
     code = cli.main(["--cpu-dry-run", "--out", str(tmp_path), "--model", "tiny", "--steps", "2", "--warmup", "1",
                      "--seq-len", "32", "--micro-batch", "2", "--sizes", "64K", "--arm-timeout", "300",
-                     "--ab-steps", "2"])
+                     "--ab-steps", "2", "--op-cases", "12", "--op-min-time", "0"])
     report = json.loads(next(tmp_path.glob("*.json")).read_text())
     checks = _by_name(report["checks"])
     assert code == 0, json.dumps(report["checks"], indent=1)[:4000]
     # The compiled CPU ops against the reference; the three arms trained to the same losses.
     assert checks["ops against reference"]["passed"], checks["ops against reference"]
+    assert {row["op"] for row in checks["ops against reference"]["details"]["rows"]} >= {
+        "pack", "unpack", "unpack_gathered", "bucket_add", "bucket_add accumulate", "quantize", "dequantize",
+        "dequantize_reduce"}
+    assert checks["ops bandwidth"]["details"]["rows"] and checks["ops goals"]["summary"].startswith("not measured")
     assert checks["threads and sleeps change no loss"]["passed"]
     assert checks["losses equal stock ZeRO-3"]["passed"]
     assert checks["offload losses equal stock ZeRO-3 offload"]["passed"]   # DeepSpeedCPUAdam on both sides
@@ -150,3 +154,18 @@ def test_the_report_shows_the_asynchzp_arms_package_buffers(tmp_path):
     assert "trimmed once per step" in table
     assert "package buffers per rank" not in _by_name(cli._training_checks({"zero3": _ranks([2.0])}, {}, None, 2,
                                                                             "nccl"))
+
+
+def test_quick_fits_a_short_slot_and_explicit_flags_win(monkeypatch, tmp_path):
+    seen = {}
+
+    def fake_run_checks(args):
+        seen.update(vars(args))
+        return _result([])
+
+    monkeypatch.setattr(cli, "run_checks", fake_run_checks)
+    assert cli.main(["--cpu-dry-run", "--quick", "--steps", "9", "--out", str(tmp_path)]) == 0
+    assert seen["steps"] == 9 and seen["warmup"] == cli.QUICK["warmup"] and seen["ab"] is False
+    assert seen["sanitizer_steps"] == 1 and seen["op_cases"] == cli.QUICK["op_cases"]
+    cli.main(["--cpu-dry-run", "--out", str(tmp_path)])
+    assert seen["steps"] == 50 and seen["ab"] is True and seen["op_cases"] == 300

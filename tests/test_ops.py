@@ -26,7 +26,7 @@ except ImportError:  # the fuzz section below reports it as a skip with its reas
     given = None
 
 from ds_asynchzp import ops
-from ds_asynchzp.ops import bench, builder, reference
+from ds_asynchzp.ops import api, bench, builder, conformance, reference
 
 FLT_MAX = torch.finfo(torch.float32).max
 
@@ -359,6 +359,36 @@ else:
         ops.unpack(ops.pack(outs), back)
         for a, b in zip(back, outs):
             assert_same(a, b)
+
+
+# ---------------------------------------------------------------------- the sweep the GPU check runs on CUDA
+def test_the_conformance_sweep_passes_on_the_cpu_kernels_and_catches_planted_faults(monkeypatch):
+    result = conformance.summary(conformance.run(torch.device("cpu"), cases=25, seed=3))
+    assert result["passed"] and result["calls"] == 25 * 10, result["first_mismatches"]
+    assert {r["op"] for r in result["rows"]} == {"pack", "unpack", "unpack_gathered", "bucket_add",
+                                                 "bucket_add accumulate", "quantize", "dequantize",
+                                                 "dequantize_reduce"}
+
+    # One wrong byte at the start of a pack, one wrong value at the end of a reduction: the narrow edges.
+    pack, reduce = api.pack, api.dequantize_reduce
+
+    def bad_pack(srcs, out=None):
+        out = pack(srcs, out=out)
+        if out.numel():
+            out.view(torch.uint8)[0] ^= 1
+        return out
+
+    def bad_reduce(*args, **kwargs):
+        out = reduce(*args, **kwargs)
+        if out.numel():
+            out[-1] = 12345.0
+        return out
+
+    monkeypatch.setattr(api, "pack", bad_pack)
+    monkeypatch.setattr(api, "dequantize_reduce", bad_reduce)
+    planted = conformance.summary(conformance.run(torch.device("cpu"), cases=25, seed=3))
+    wrong = {(r["op"]) for r in planted["rows"] if r["mismatches"]}
+    assert not planted["passed"] and wrong == {"pack", "unpack", "dequantize_reduce"}, planted["rows"]
 
 
 # ------------------------------------------------------------------------------------------------------ bench

@@ -1,9 +1,14 @@
 """asynchzp-gpu-check: on a machine with a CUDA GPU, check in minutes what no CPU test can, and write a report.
 
-    asynchzp-gpu-check [--out docs/benchmarks] [--steps 50] [--model small]
+    asynchzp-gpu-check [--quick] [--out docs/benchmarks] [--steps 50] [--model small]
 
-1. **Ops**: every op of the package, compiled for CUDA, against its pure-torch reference (bit for bit), and
-   `asynchzp-ops-bench --device cuda` (bandwidth against a device copy and DeepSpeed's quantizer).
+`--quick` fits a short slot on one GPU (about 5 minutes, the JIT builds included): fewer op cases and steps, the
+sanitizer arm for one step, no A/B on a real launch.
+
+1. **Ops**: every op of the package, compiled for CUDA, against its pure-torch reference (bit for bit) on random
+   layouts, sizes and alignments (`ds_asynchzp/ops/conformance.py`), and `asynchzp-ops-bench --device cuda`: each
+   op's kernel time (CUDA graph replay) and whole-op time against a device copy of the same bytes and DeepSpeed's
+   quantizer and dequantizer, the host's part of a call, and the kernels' goals (`ops_checks.py`).
 2. **Training**, on the GPUs present, against stock ZeRO-3 (DeepSpeed's default ZeRO-3 knobs, `overlap_comm`
    on, throughput timer unsynchronised): AsyncHZP with its threads, with `torch.cuda._sleep` after every
    module's forward on the compute stream, must train to the losses of AsyncHZP synchronous (`async_comm:
@@ -39,6 +44,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from .ab_run import run_ab_check
+from .ops_checks import bench_ops, check_conformance
 from .report import verdict, write_report
 
 SANITIZER_MARK = "CSAN detected a possible data race"
@@ -69,38 +75,6 @@ def _device_info(cuda: bool) -> Dict:
 
 def _progress(message: str) -> None:
     print(f"[asynchzp-gpu-check] {message}", file=sys.stderr, flush=True)
-
-
-# ------------------------------------------------------------------------------------------------ ops
-def check_ops(device) -> Dict:
-    """Every op against its reference, small sizes: bit for bit (NaN payloads aside)."""
-    from ..ops import bench, builder
-
-    status = builder.status(device.type)
-    if not status.compiled:
-        return {"name": "ops against reference", "passed": False,
-                "summary": f"the compiled ops are not in use on {device.type}: {status}", "details": {}}
-    rows = bench.run(bench.OPS, list(bench.DTYPES), [bench.parse_size("64K")], device, min_time=0.01,
-                     backend=status.backend)
-    table = [{"op": r["op"], "dtype": r["dtype"], "max_abs_err": r["max_abs_err"]} for r in rows]
-    wrong = [f"{r['op']} {r['dtype']}" for r in rows if r["max_abs_err"] != 0]
-    return {"name": "ops against reference", "passed": not wrong,
-            "summary": f"{len(rows)} op/dtype pairs, " + (f"differ: {', '.join(wrong)}" if wrong else "all equal"),
-            "details": {"rows": table, "status": str(status)}}
-
-
-def bench_ops(device, sizes: List[str]) -> Dict:
-    from ..ops import bench
-
-    rows = bench.run(bench.OPS, list(bench.DTYPES), [bench.parse_size(s) for s in sizes], device, min_time=0.1)
-    module, reason = bench.deepspeed_quantizer(device)
-    rows += [bench.deepspeed_row(module, reason, bench.parse_size(s), device, 0.1) for s in sizes]
-    table = [{"op": r["op"], "dtype": r["dtype"], "size": bench.human(r["size_bytes"]), "GB/s": r["gbps"],
-              "copy GB/s": r["copy_gbps"], "ours / copy": (r["gbps"] / r["copy_gbps"]) if r["gbps"] and
-              r["copy_gbps"] else None, "note": r.get("note", "")} for r in rows]
-    return {"name": "ops bandwidth", "passed": None, "measured": True,
-            "summary": "bandwidth of each op against a device copy of the same bytes, and DeepSpeed's quantizer"
-                       + ("" if module is not None else f" ({reason})"), "details": {"rows": table}}
 
 
 # ------------------------------------------------------------------------------------------- training
@@ -164,16 +138,19 @@ def run_training(args, cuda: bool, work: Path) -> List[Dict]:
     for arm in arms:
         payload = {"backend": backend, "model": args.model, "seed": 7, "ds_config":
                    _ds_config("async" if arm == "sanitized" else arm, node_size, args.grad_accum, args.micro_batch),
-                   "warmup_steps": args.warmup, "steps": args.sanitizer_steps if arm == "sanitized" else args.steps,
+                   # The sanitizer arm checks stream order, not flat memory: one warm-up step is enough.
+                   "warmup_steps": 1 if arm == "sanitized" else args.warmup,
+                   "steps": args.sanitizer_steps if arm == "sanitized" else args.steps,
                    "grad_accum": args.grad_accum, "micro_batch": args.micro_batch, "seq_len": args.seq_len,
                    "sleep_cycles": args.sleep_cycles if arm in ("async", "sanitized", "offload") else 0}
         env = dict(base_env, **({"TORCH_CUDA_SANITIZER": "1"} if arm == "sanitized" else {}))
         logs = work / arm
         _progress(f"training arm '{arm}': {world} rank(s) over {backend}, {args.warmup}+{payload['steps']} steps")
         started = time.monotonic()
+        timeout = args.sanitizer_timeout if arm == "sanitized" and args.sanitizer_timeout else args.arm_timeout
         try:
             results[arm] = launch_local("ds_asynchzp.gpu_check.worker:run_arm", world, node_size, payload,
-                                        timeout_s=args.arm_timeout, workdir=str(logs), env=env)
+                                        timeout_s=timeout, workdir=str(logs), env=env)
         except (RankFailure, TimeoutError) as failure:
             # One arm's failure or time-out keeps the others' results. The logs live in a temporary directory:
             # the report keeps the failure's first line and its end.
@@ -292,6 +269,9 @@ def _buffer_check(results: Dict) -> Optional[Dict]:
 
 
 # ------------------------------------------------------------------------------------------------ main
+# --quick: what fits a short slot on one GPU. The sanitizer arm, slowest by far, runs one step after one warm-up.
+QUICK = {"op_cases": 60, "op_min_time": 0.02, "steps": 6, "warmup": 2, "sanitizer_steps": 1, "arm_timeout": 90.0,
+         "sanitizer_timeout": 150.0, "ab": False}
 def run_checks(args) -> Dict:
     import deepspeed
     import torch
@@ -301,13 +281,19 @@ def run_checks(args) -> Dict:
     result = {"date": datetime.date.today().isoformat(), "commit": _commit(), "device": _device_info(cuda),
               "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__,
                            "cuda": torch.version.cuda},
-              "settings": {"model": args.model, "steps": args.steps, "warmup": args.warmup,
+              "settings": {"quick": args.quick, "model": args.model, "steps": args.steps, "warmup": args.warmup,
                            "grad_accum": args.grad_accum, "micro_batch": args.micro_batch, "seq_len": args.seq_len,
                            "sleep_cycles": args.sleep_cycles, "zero3_knobs": "DeepSpeed's defaults"},
               "checks": []}
     sizes = [size.strip() for size in args.sizes.split(",") if size.strip()]
-    sections = [] if args.skip_ops else [("ops", lambda: [check_ops(device)]),
-                                         ("ops bandwidth", lambda: [bench_ops(device, sizes)])]
+    started = time.monotonic()
+
+    def progress(message: str) -> None:
+        _progress(f"{message} ({time.monotonic() - started:.0f} s)")
+
+    sections = [] if args.skip_ops else [
+        ("ops", lambda: [check_conformance(device, args.op_cases, progress)]),
+        ("ops bandwidth", lambda: bench_ops(device, sizes, args.op_min_time))]
     with tempfile.TemporaryDirectory(prefix="asynchzp-gpu-check-") as work:
         sections.append(("training", lambda: run_training(args, cuda, Path(work))))
         if args.ab:
@@ -317,13 +303,16 @@ def run_checks(args) -> Dict:
             sections.append(("asynchzp-ab", lambda: [run_ab_check(ab_out, ranks, args.ab_steps,
                                                                   2 * args.arm_timeout + 120, env)]))
         for name, section in sections:
-            _progress(f"{name} ...")
+            progress(f"{name} ...")
             try:
                 result["checks"] += section()
             except Exception as error:  # noqa: BLE001 - one broken section must not lose the others' report
                 result["checks"].append({"name": name, "passed": False,
                                          "summary": f"raised {type(error).__name__}: {str(error)[:300]}",
                                          "details": {}})
+            # The report so far, after every section: a slot that ends early keeps what was measured.
+            result["settings"]["seconds"] = round(time.monotonic() - started)
+            write_report(result, args.out)
     return result
 
 
@@ -340,18 +329,32 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--sleep-cycles", type=int, default=200_000,
                         help="torch.cuda._sleep cycles after every module's forward in the threaded arms")
     parser.add_argument("--sizes", default="1M,64M", help="op sizes for the bandwidth table")
+    parser.add_argument("--op-cases", type=int, default=300, help="random cases of the ops against the reference")
+    parser.add_argument("--op-min-time", type=float, default=0.1,
+                        help="seconds of best-call timing per op (the CUDA figures take fixed counts of calls)")
     parser.add_argument("--no-sanitizer", dest="sanitizer", action="store_false")
     parser.add_argument("--skip-ops", action="store_true", help="training checks only (the ops checked elsewhere)")
     parser.add_argument("--skip-offload", dest="offload", action="store_false",
                         help="leave out the optimizer-offload arms")
     parser.add_argument("--sanitizer-steps", type=int, default=3, help="steps under the sanitizer (slow)")
     parser.add_argument("--arm-timeout", type=float, default=240.0, help="seconds per training arm")
+    parser.add_argument("--sanitizer-timeout", type=float, default=None,
+                        help="seconds for the sanitizer arm (default: --arm-timeout)")
+    parser.add_argument("--quick", action="store_true",
+                        help="fit a short slot on one GPU (~5 minutes): " + ", ".join(
+                            f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items() if v is not False)
+                        + ", no A/B; flags given explicitly win")
     parser.add_argument("--skip-ab", dest="ab", action="store_false",
                         help="leave out asynchzp-ab on examples/train.py (zero3 and asynchzp on the GPUs present)")
     parser.add_argument("--ab-steps", type=int, default=10, help="optimizer steps per asynchzp-ab arm")
     # Runs every part that can run without CUDA, on CPU ranks, to test the command itself.
     parser.add_argument("--cpu-dry-run", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.quick:
+        given = {a.split("=", 1)[0] for a in (argv if argv is not None else sys.argv[1:]) if a.startswith("--")}
+        for key, value in QUICK.items():
+            if f"--{key.replace('_', '-')}" not in given:
+                setattr(args, key, value)
 
     import torch
 
@@ -361,9 +364,7 @@ def main(argv: Optional[List[str]] = None) -> int:
               "instead (README: 'Run the tests').", file=sys.stderr)
         return 2
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if args.cpu_dry_run else "cuda")
-    started = time.monotonic()
     result = run_checks(args)
-    result["settings"]["seconds"] = round(time.monotonic() - started)
     json_path, md_path = write_report(result, args.out)
     print(md_path.read_text(), flush=True)
     _progress(f"report: {json_path} and {md_path} ({result['settings']['seconds']} s)")

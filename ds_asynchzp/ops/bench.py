@@ -2,9 +2,17 @@
 
 For each op, dtype and size it times the compiled op, the pure-torch reference and a device copy
 (``dst.copy_(src)``) that reads and writes as many bytes as the op, all in the same run, and reports GB/s as
-(bytes read + bytes written) / time, best of several calls taken in turns (so that a busy host slows the three
-alike). Where CUDA is present it also times DeepSpeed's
-own quantizer kernel on the same input. Progress goes to stderr, the markdown table to stdout.
+(bytes read + bytes written) / time. Where CUDA is present it also times DeepSpeed's own quantizer and dequantizer
+kernels on the same bytes. Progress goes to stderr, the markdown table to stdout.
+
+What each figure counts:
+
+* on CPU: the best wall time of one call (calls of the three taken in turns, so that a busy host slows them alike);
+* on CUDA, per call: **kernel**, the device time of the op alone, from CUDA events around replays of a CUDA graph
+  of back-to-back calls (no host work in it: the figure the ops' goals are stated in, and the copy's is taken the
+  same way); **whole**, wall time per call of back-to-back calls ending in one synchronisation (host and device
+  together, what a communication thread sees); **latency**, the best wall time of one call and a synchronisation;
+  **host**, the host's time to issue one call (the argument checks, the segment table, the launch).
 
     asynchzp-ops-bench [--device cpu|cuda] [--sizes 1M,16M,64M] [--dtypes fp32,bf16] [--ops pack,...]
                        [--json FILE]
@@ -172,6 +180,64 @@ def max_abs_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a[keep] - b[keep]).abs().max()) if keep.any() else 0.0
 
 
+def cuda_times(fn: Callable[[], None], calls: int = 50, graph_calls: int = 20,
+               replays: int = 10) -> Dict[str, Optional[float]]:
+    """Seconds per call of `fn` on the current CUDA device: kernel (graph replay, CUDA events), whole (back-to-back
+    calls then one synchronisation), latency (one call and a synchronisation, best of 5) and host (issue only).
+    Everything runs on one side stream, so that the ops' kept segment tables (cached per stream) are warm when the
+    graph is captured; kernel is None where `fn` cannot be captured (it synchronises, say)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+        stream.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        host = (time.perf_counter() - start) / calls
+        stream.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        stream.synchronize()
+        whole = (time.perf_counter() - start) / calls
+        latency = math.inf
+        for _ in range(5):
+            start = time.perf_counter()
+            fn()
+            stream.synchronize()
+            latency = min(latency, time.perf_counter() - start)
+    kernel: Optional[float] = None
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(graph_calls):
+                fn()
+        with torch.cuda.stream(stream):
+            graph.replay()
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record(stream)
+            for _ in range(replays):
+                graph.replay()
+            end.record(stream)
+            end.synchronize()
+        kernel = begin.elapsed_time(end) / 1e3 / (replays * graph_calls)
+        del graph
+    except RuntimeError as error:  # reported as a missing figure, not fatal
+        print(f"  (no graph capture: {str(error).splitlines()[0][:120]})", file=sys.stderr, flush=True)
+    torch.cuda.synchronize()
+    return {"kernel": kernel, "whole": whole, "latency": latency, "host": host}
+
+
+def _cuda_columns(bytes_moved: int, ours: Dict, copy: Dict) -> Dict:
+    def gbps(seconds):
+        return bytes_moved / seconds / 1e9 if seconds else None
+
+    return {"gbps": gbps(ours["kernel"]), "copy_gbps": gbps(copy["kernel"]), "whole_gbps": gbps(ours["whole"]),
+            "latency_us": ours["latency"] * 1e6, "host_us": ours["host"] * 1e6, "timing": "kernel (graph replay)"}
+
+
 def deepspeed_quantizer(device: torch.device):
     """DeepSpeed's CUDA quantizer module, or the reason it cannot be measured."""
     if device.type != "cuda":
@@ -183,23 +249,31 @@ def deepspeed_quantizer(device: torch.device):
         return None, f"DeepSpeed's quantizer failed to load: {str(exc).splitlines()[0][:200]}"
 
 
-def deepspeed_row(module, reason: str, size: int, device: torch.device, min_time: float) -> Dict:
-    row = {"op": "quantize8[deepspeed]", "size_bytes": size, "dtype": "fp16", "gbps": None, "ref_gbps": None,
-           "copy_gbps": None, "speedup": None, "max_abs_err": None}
+def deepspeed_rows(module, reason: str, size: int, device: torch.device, min_time: float) -> List[Dict]:
+    """DeepSpeed's int8 quantizer and dequantizer (fp16, its kernels' type) on the bytes of ours at `size`."""
+    rows = []
+    for op in ("quantize8[deepspeed]", "dequantize8[deepspeed]"):
+        row = {"op": op, "size_bytes": size, "dtype": "fp16", "gbps": None, "ref_gbps": None, "copy_gbps": None,
+               "speedup": None, "max_abs_err": None}
+        if module is None:
+            row["note"] = f"unavailable: {reason}"
+        rows.append(row)
     if module is None:
-        row["note"] = f"unavailable: {reason}"
-        return row
-    # Its kernel reads fp16 (it converts other dtypes first); groups of BLOCK values, as ours.
+        return rows
+    # Groups of BLOCK values, as ours; fp16 in and out.
     n = max(size // 2, BLOCK)
     n -= n % BLOCK
     x = torch.randn(n, dtype=torch.float16, device=device)
     groups = n // BLOCK
     moved = 2 * n + n + 4 * groups
-    t, t_copy = best_times([lambda: module.quantize(x, groups, 8, module.Symmetric), copy_of(moved, device)],
-                           device, min_time)
-    row.update(gbps=moved / t / 1e9, copy_gbps=moved / t_copy / 1e9,
-               note="fp16 input (its kernel's type); bytes as ours")
-    return row
+    q, params = module.quantize(x, groups, 8, module.Symmetric)
+    calls = {"quantize8[deepspeed]": lambda: module.quantize(x, groups, 8, module.Symmetric),
+             "dequantize8[deepspeed]": lambda: module.dequantize(q, params, groups, 8, module.Symmetric)}
+    copy = cuda_times(copy_of(moved, device))
+    for row in rows:
+        row.update(_cuda_columns(moved, cuda_times(calls[row["op"]]), copy),
+                   note="fp16 (its kernels' type); bytes as ours; allocates its output per call")
+    return rows
 
 
 def run(ops: List[str], dtypes: List[str], sizes: List[int], device: torch.device, min_time: float,
@@ -212,32 +286,45 @@ def run(ops: List[str], dtypes: List[str], sizes: List[int], device: torch.devic
             for size in sizes:
                 k += 1
                 case = make_case(op, DTYPES[dname], size, device)
-                t_ours, t_ref, t_copy = best_times([case.ours, case.ref, copy_of(case.bytes_moved, device)], device,
-                                                   min_time)
+                copy = copy_of(case.bytes_moved, device)
+                t_ours, t_ref, t_copy = best_times([case.ours, case.ref, copy], device, min_time)
                 ours, ref = case.outputs()
                 row = {"op": op, "size_bytes": size, "dtype": dname, "gbps": case.bytes_moved / t_ours / 1e9,
                        "ref_gbps": case.bytes_moved / t_ref / 1e9, "copy_gbps": case.bytes_moved / t_copy / 1e9,
-                       "speedup": t_ref / t_ours, "max_abs_err": max_abs_err(ours, ref), "backend": backend}
+                       "speedup": t_ref / t_ours, "max_abs_err": max_abs_err(ours, ref), "backend": backend,
+                       "timing": "best call"}
+                if device.type == "cuda":
+                    row.update(_cuda_columns(case.bytes_moved, cuda_times(case.ours), cuda_times(copy)))
                 rows.append(row)
-                print(f"[{k}/{total}] {op} {dname} {human(size)}: ours {row['gbps']:.2f} GB/s, reference "
-                      f"{row['ref_gbps']:.2f}, copy {row['copy_gbps']:.2f}, speedup {row['speedup']:.1f}x",
+                ratio = f", {row['gbps'] / row['copy_gbps']:.2f} of a copy" if row["gbps"] and row["copy_gbps"] else ""
+                print(f"[{k}/{total}] {op} {dname} {human(size)}: ours {row['gbps'] or 0:.2f} GB/s ({row['timing']})"
+                      f"{ratio}, reference {row['ref_gbps']:.2f}, speedup {row['speedup']:.1f}x",
                       file=sys.stderr, flush=True)
                 del case, ours, ref
     return rows
 
 
 def table(rows: List[Dict]) -> str:
+    cuda = any(r.get("timing", "").startswith("kernel") for r in rows)
+    extra = " whole GB/s | latency µs | host µs |" if cuda else ""
     lines = ["| op | dtype | size | ours GB/s | reference GB/s | copy GB/s | ours / copy | speedup vs reference | "
-             "max abs err |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "max abs err |" + extra, "|---|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" * 3 if cuda else "")]
+
+    def number(value, spec):
+        return "-" if value is None else format(value, spec)
+
     for r in rows:
         if r["gbps"] is None:
-            lines.append(f"| {r['op']} | {r['dtype']} | {human(r['size_bytes'])} | {r.get('note', '')} | | | | | |")
+            lines.append(f"| {r['op']} | {r['dtype']} | {human(r['size_bytes'])} | {r.get('note', '')} | | | | | |"
+                         + (" | | |" if cuda else ""))
             continue
         lines.append(f"| {r['op']} | {r['dtype']} | {human(r['size_bytes'])} | {r['gbps']:.2f} | "
-                     + (f"{r['ref_gbps']:.2f}" if r["ref_gbps"] is not None else "-")
-                     + f" | {r['copy_gbps']:.2f} | {r['gbps'] / r['copy_gbps']:.2f} | "
+                     f"{number(r['ref_gbps'], '.2f')} | {number(r['copy_gbps'], '.2f')} | "
+                     f"{number(r['gbps'] / r['copy_gbps'] if r['copy_gbps'] else None, '.2f')} | "
                      + (f"{r['speedup']:.1f}x" if r["speedup"] is not None else "-") + " | "
-                     + (f"{r['max_abs_err']:.3g}" if r["max_abs_err"] is not None else "-") + " |")
+                     + number(r["max_abs_err"], ".3g") + " |"
+                     + (f" {number(r.get('whole_gbps'), '.2f')} | {number(r.get('latency_us'), '.1f')} | "
+                        f"{number(r.get('host_us'), '.1f')} |" if cuda else ""))
     return "\n".join(lines)
 
 
@@ -267,7 +354,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     rows = run(ops, dtypes, sizes, device, args.min_time, status.backend)
     if any(op.startswith("quantize8") for op in ops):
         module, reason = deepspeed_quantizer(device)
-        rows += [deepspeed_row(module, reason, size, device, args.min_time) for size in sizes]
+        for size in sizes:
+            rows += deepspeed_rows(module, reason, size, device, args.min_time)
         if module is None:
             print(f"DeepSpeed's quantizer: unavailable ({reason})", file=sys.stderr, flush=True)
     print(table(rows))

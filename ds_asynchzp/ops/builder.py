@@ -36,8 +36,9 @@ import torch
 
 NAMESPACE = "ds_asynchzp"
 CPU_SOURCES = ["registration.cpp", "cpu_layout.cpp", "cpu_quant.cpp", "cpu_zeropp.cpp"]
-CUDA_SOURCES = ["cuda_kernels.cu", "cuda_ops.cpp"]
-HEADERS = ["dtype_math.h", "quant_math.h", "cpu_kernels.h", "cpu_segments.h", "tensor_runs.h", "cuda_kernels.h"]
+CUDA_SOURCES = ["cuda_layout.cu", "cuda_quant.cu", "cuda_ops.cpp"]
+HEADERS = ["dtype_math.h", "quant_math.h", "cpu_kernels.h", "cpu_segments.h", "tensor_runs.h", "cuda_kernels.h",
+           "cuda_vector.cuh", "cuda_tables.h"]
 # -ffp-contract=off: no fused multiply-add, so the kernels round exactly as the reference does (quant_math.h).
 # -march=native on x86-64: the library is built on the machine that runs it, and its loops need more than the
 # x86-64 baseline (SSE2 has no unsigned max, no float-to-int8 packing) to vectorise: measured 5x on quantize.
