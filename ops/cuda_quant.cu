@@ -129,7 +129,9 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(const T* x, int64_t 
         const bool fits = words <= 32 * kInFlight;
         const uint4* xw = reinterpret_cast<const uint4*>(xb);
 
-        // Pass 1: the block's max.
+        // Pass 1: the block's max. The load loops are written out in both passes on purpose: the same loops
+        // factored into helpers taking the word arrays by reference measured 0.65 of a copy against 0.75
+        // (quantize8 fp32, 64 MiB, one H200, same machine, one run each).
         uint4 held[kInFlight] = {};
         uint32_t m = 0;
         if (fits) {

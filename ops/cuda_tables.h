@@ -1,10 +1,12 @@
 // Device copies of the layout ops' segment tables, kept and reused: a table is uploaded once per layout and stream.
 //
-// Training calls each layout op with the same tensors step after step (the package's buffers are fixed, a
-// parameter's storage does not move), so the table the host builds, pointers included, repeats byte for byte. The
-// first call uploads it through pinned memory on the current stream; later calls with the same bytes on the same
-// stream launch on the kept copy with no copy at all. The key holds every byte of the table, pointers included, so
-// a hit describes exactly the memory the call names, whatever tensor now lives there.
+// Training calls most layout ops with the same tensors step after step (the package's buffers are fixed, a
+// parameter's storage does not move), so the table the host builds, pointers included, repeats byte for byte. A
+// table is uploaded through pinned memory on the current stream for its call; the second time the same bytes come
+// on the same stream, the upload is kept, and later calls launch on the kept copy with no copy at all. Tables that
+// never repeat (gradients the autograd allocator places anew each step) are never kept, so they do not grow the
+// device memory after warm-up. The key holds every byte of the table, pointers included, so a hit describes
+// exactly the memory the call names, whatever tensor now lives there.
 //
 // Why the stream is part of the key: a kept table is allocated (by the caching allocator) on the stream that
 // uploaded it and read only by kernels on that stream, so freeing it on eviction is ordered after its last reader
@@ -20,6 +22,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -28,11 +31,14 @@ namespace dsa {
 class DeviceTables {
 public:
     // Tables kept at most, and the most bytes of one kept table; a larger one is uploaded for its call alone.
+    // Hashes of tables seen once, at most (then forgotten all at once).
     static const size_t kMaxTables = 1024;
     static const size_t kMaxTableBytes = 64 * 1024;
+    static const size_t kMaxSeen = 8192;
 
     // The device address of `units` for a kernel on `stream`. `scratch` receives the uploaded tensor when the table
-    // is not kept; the caller holds it until the launch is enqueued.
+    // is not kept; the caller holds it until the launch is enqueued (the caching allocator then orders its reuse
+    // after the kernel, on the same stream).
     template <class Unit>
     const void* get(const std::vector<Unit>& units, const c10::cuda::CUDAStream& stream, at::Tensor& scratch) {
         const size_t bytes = units.size() * sizeof(Unit);
@@ -50,6 +56,11 @@ public:
             return found->second.first.data_ptr();
         }
         at::Tensor table = upload(units.data(), bytes, stream.device());
+        if (seen_.insert(std::hash<std::string>()(key)).second) {  // first sighting: for this call only
+            if (seen_.size() > kMaxSeen) seen_.clear();
+            scratch = table;
+            return table.data_ptr();
+        }
         order_.push_front(key);
         tables_.emplace(std::move(key), std::make_pair(table, order_.begin()));
         while (tables_.size() > kMaxTables) {
@@ -75,6 +86,7 @@ private:
     }
 
     std::mutex mutex_;
+    std::unordered_set<size_t> seen_;
     std::list<std::string> order_;
     std::unordered_map<std::string, std::pair<at::Tensor, std::list<std::string>::iterator>> tables_;
 };

@@ -145,7 +145,8 @@ def run_training(args, cuda: bool, work: Path) -> List[Dict]:
                    "sleep_cycles": args.sleep_cycles if arm in ("async", "sanitized", "offload") else 0}
         env = dict(base_env, **({"TORCH_CUDA_SANITIZER": "1"} if arm == "sanitized" else {}))
         logs = work / arm
-        _progress(f"training arm '{arm}': {world} rank(s) over {backend}, {args.warmup}+{payload['steps']} steps")
+        _progress(f"training arm '{arm}': {world} rank(s) over {backend}, {payload['warmup_steps']}+{payload['steps']} "
+                  "steps")
         started = time.monotonic()
         timeout = args.sanitizer_timeout if arm == "sanitized" and args.sanitizer_timeout else args.arm_timeout
         try:
@@ -270,7 +271,7 @@ def _buffer_check(results: Dict) -> Optional[Dict]:
 
 # ------------------------------------------------------------------------------------------------ main
 # --quick: what fits a short slot on one GPU. The sanitizer arm, slowest by far, runs one step after one warm-up.
-QUICK = {"op_cases": 60, "op_min_time": 0.02, "steps": 6, "warmup": 2, "sanitizer_steps": 1, "arm_timeout": 90.0,
+QUICK = {"op_cases": 60, "op_min_time": 0.02, "steps": 6, "warmup": 3, "sanitizer_steps": 1, "arm_timeout": 90.0,
          "sanitizer_timeout": 150.0, "ab": False}
 def run_checks(args) -> Dict:
     import deepspeed
@@ -367,7 +368,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     result = run_checks(args)
     json_path, md_path = write_report(result, args.out)
     print(md_path.read_text(), flush=True)
-    _progress(f"report: {json_path} and {md_path} ({result['settings']['seconds']} s)")
+    _progress(f"report: {json_path} and {md_path} ({result['settings'].get('seconds', 0)} s)")
     return 0 if verdict(result) else 1
 
 
