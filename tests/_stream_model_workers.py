@@ -89,6 +89,15 @@ def planted(fault):
                 if owner is buffer and start <= column < end:
                     view.zero_()
         patch(ParamShards, "zero_padding_in", zero_padding_unrecorded)
+    elif fault == "reopen_own_family_only":
+        # 8: optimizer offload with several families (AutoEP): a reopened window copies and takes the norms of every
+        # family's gradients having waited for its own family's cross-node sums alone.
+        def reopen_waiting_for_its_own_family(self, placement):
+            placement.reduce.drain()
+            placement.boundary.end_window()
+            self.hzp_offload.finish_window()
+            placement.grads.reopen()
+        patch(HierarchicalZeroOptimizer, "_hzp_reopen_window", reopen_waiting_for_its_own_family)
     elif fault:
         raise ValueError(f"unknown planted fault {fault!r}")
     try:

@@ -293,6 +293,9 @@ PARITY_CASES = [
     # refresh of each stepped sub-group (several sub-groups), by default (pinned) and with the window reopened.
     _case("offload", zero=dict(NO_PERSISTENCE, offload_optimizer=OFFLOAD, sub_group_size=SMALL_SUB_GROUPS)),
     _case("offload_reopened", zero=dict(NO_PERSISTENCE, offload_optimizer=OFFLOAD), extra_backward=True),
+    # Two families (AutoEP's experts and the dense parameters): a reopened window reads every family's sums.
+    _case("offload_reopened_moe", model="moe", autoep_size=2, zero=dict(NO_PERSISTENCE, offload_optimizer=OFFLOAD),
+          extra_backward=True),
 ]
 # Stock ZeRO-3 under the model: DeepSpeed's own ordering is clean, so whatever the model finds is ours.
 TWINNED = ("defaults", "gathers_prefetched", "fp16", "user_stream")
@@ -325,6 +328,12 @@ PLANTED = {
     "refresh_before_h2d": (_case("plant_refresh_before_h2d", zero=dict(NO_PERSISTENCE, offload_optimizer=OFFLOAD,
                                                                        sub_group_size=SMALL_SUB_GROUPS)),
                            "read-after-write", "_reassign_or_swap_out_partitioned_parameters"),
+    # 8: optimizer offload, two families: a reopened window copies and takes the norms of the other family's
+    # gradients before that family's cross-node sums have ended, and its next reductions are not ordered after
+    # those reads (seen on every rank; rank 0 also reads a norm before the sum wrote it).
+    "reopen_own_family_only": (_case("plant_reopen_own_family_only", model="moe", autoep_size=2, extra_backward=True,
+                                     zero=dict(NO_PERSISTENCE, offload_optimizer=OFFLOAD)),
+                               "write-after-read", "comm/grad_reduce.py"),
     # 5: the fp16 overflow check reads the gradient partition on DeepSpeed's side stream, unordered.
     "overflow_order": (_case("plant_overflow_order", dtype="fp16", zero=NO_PERSISTENCE),
                        "read-after-write", "has_overflow"),

@@ -250,6 +250,11 @@ def offload_grad_norm(optimizer: DeepSpeedZeroOptimizer_Stage3, param, grad) -> 
     optimizer.norm_for_param_grads[optimizer.get_param_id(param)] = optimizer._constant_buffered_norm2(grad)
 
 
+def offload_grad_norms(optimizer: DeepSpeedZeroOptimizer_Stage3) -> list:
+    """The per-parameter gradient norms recorded this window (device tensors the step reads, then forgets)."""
+    return list(optimizer.norm_for_param_grads.values())
+
+
 def offload_host_grad(optimizer: DeepSpeedZeroOptimizer_Stage3, param):
     """The host optimizer's fp32 gradient elements of one parameter's partition (a view into its sub-group's)."""
     group, offset, numel = optimizer.grad_position[optimizer.get_param_id(param)]

@@ -22,8 +22,8 @@ every parameter reduced since the last step (`finalize_gradient_accumulation_bou
 set keeps on the host the fp32 gradient of the last time it was copied (it steps with it again) and counts in no
 norm. Copying after the chunk's sum rather than during the last backward gives the same values: the own atom of a
 parameter reduced in that backward holds the window's sum. A later backward reopens the window: what was marked is
-copied and its norm taken first, with the values stock copied, and a later boundary backward marks what it reaches
-again. A parameter marked only after its chunks were submitted (the unmanaged boundary, when the engine already
+copied and its norm taken first, once every family's cross-node sums have ended (the marked parameters span the
+families), with the values stock copied, and a later boundary backward marks what it reaches again. A parameter marked only after its chunks were submitted (the unmanaged boundary, when the engine already
 ended the window at its backward) is copied when the window is waited for, on the training thread.
 """
 
@@ -34,8 +34,8 @@ from typing import Callable, Dict, Iterable
 from ..accounting import ledger
 from ..comm.host_copy import GradToHost
 from ..platform import streams
-from ..platform.deepspeed_internals import (offload_grad_norm, offload_host_grad, offload_reduced_since_step,
-                                            stage3_sub_groups)
+from ..platform.deepspeed_internals import (offload_grad_norm, offload_grad_norms, offload_host_grad,
+                                            offload_reduced_since_step, stage3_sub_groups)
 
 
 class HostOffload:
@@ -50,6 +50,7 @@ class HostOffload:
         self._params: Dict[int, object] = {}  # ds_id -> parameter
         self._copies: Dict[int, GradToHost] = {}   # id(placement) -> its copier
         self._copied_event = None             # on the current stream after the window's copies (None: no streams)
+        self._norms_on_side_stream = False    # norms taken in a reopened window, inside DeepSpeed's backward hook
 
     def copier(self, placement) -> Callable:
         """The `after_sum` of a placement's `StepBoundary`."""
@@ -85,11 +86,19 @@ class HostOffload:
                     self.pending.add(param.ds_id)
                     self._params[param.ds_id] = param
 
-    def finish_window(self) -> None:
+    def finish_window(self, on_side_stream: bool = False) -> None:
         """The window's chunk jobs are done: the current stream waits for their copies, any parameter marked after
         its chunks were submitted is copied now, and the norms of the copied gradients are recorded (Stage 3's
-        order of parameters). The host reads them after `host_wait`."""
+        order of parameters). The host reads them after `host_wait`. `on_side_stream`: called in a reopened window,
+        where the current stream is the side stream of DeepSpeed's backward hook."""
         self.wait_copies()
+        if self._norms_on_side_stream and not on_side_stream:
+            # Norms allocated on the hook's side stream are read by the step on this stream and freed after it:
+            # their memory must not go back to the side stream before those reads (as stock's record_stream).
+            for norm in offload_grad_norms(self.optimizer):
+                streams.keep_alive(norm)
+            self._norms_on_side_stream = False
+        self._norms_on_side_stream |= on_side_stream and bool(self.pending)
         if not self.pending:
             self._copied.clear()
             return

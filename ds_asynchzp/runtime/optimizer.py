@@ -377,12 +377,17 @@ class HierarchicalZeroOptimizer(GradientReaders, DeepSpeedZeroOptimizer_Stage3):
     def hzp_finish_window(self) -> None:
         """Sum the window's gradients across nodes into the owners' atoms and wait (collective; idempotent)."""
         self.hzp_start_window_reduction()
+        self._hzp_offload_window()
+
+    def _hzp_offload_window(self, reopening: bool = False) -> None:
+        """Wait for every family's submitted sums, then (offload) copy and take the norms of what stock copies:
+        those span every family, so none may be read before its own family's sum has ended."""
         for placement in self._hzp_trainable_placements():
             placement.reduce.drain()
         for placement in self._hzp_trainable_placements():
             placement.boundary.wait_grads()
         if self.hzp_offload is not None:
-            self.hzp_offload.finish_window()
+            self.hzp_offload.finish_window(on_side_stream=reopening)
             for placement in self._hzp_trainable_placements():
                 placement.grads.buffer.note_host_access()   # the next window's jobs write after these reads
 
@@ -430,8 +435,8 @@ class HierarchicalZeroOptimizer(GradientReaders, DeepSpeedZeroOptimizer_Stage3):
         if self.hzp_offload is not None:
             # Stock copied (and took the norms of) what its boundary backward reached, with the values then; a
             # later backward copies again only if it is a boundary one too. The copies read the own row that
-            # reopening moves aside and zeroes.
-            self.hzp_offload.finish_window()
+            # reopening moves aside and zeroes, and the other families' rows once their sums have ended.
+            self._hzp_offload_window(reopening=True)
         placement.grads.reopen()
         self._hzp_warn_once(
             "reopened",
