@@ -121,9 +121,8 @@ __device__ __forceinline__ void fill_one(const S* src, D* dst, int64_t i, float 
 
 template <class D, class S, bool ACCUMULATE>
 __device__ void fill_tile(const S* src, D* dst, int64_t len, float scale) {
-    const int64_t head_bytes = bytes_to_alignment(dst);
-    const int64_t head = len < head_bytes / static_cast<int64_t>(sizeof(D)) ? len
-                                                                            : head_bytes / static_cast<int64_t>(sizeof(D));
+    const int64_t aligned_at = bytes_to_alignment(dst) / static_cast<int64_t>(sizeof(D));  // elements
+    const int64_t head = len < aligned_at ? len : aligned_at;
     const int64_t groups = (len - head) / kFillGroup;
     const int64_t tail = head + groups * kFillGroup;
     if (threadIdx.x < head) fill_one<D, S, ACCUMULATE>(src, dst, threadIdx.x, scale);

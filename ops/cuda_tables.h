@@ -36,26 +36,26 @@ public:
     static const size_t kMaxTableBytes = 64 * 1024;
     static const size_t kMaxSeen = 8192;
 
-    // The device address of `units` for a kernel on `stream`. `scratch` receives the uploaded tensor when the table
-    // is not kept; the caller holds it until the launch is enqueued (the caching allocator then orders its reuse
-    // after the kernel, on the same stream).
-    template <class Unit>
-    const void* get(const std::vector<Unit>& units, const c10::cuda::CUDAStream& stream, at::Tensor& scratch) {
-        const size_t bytes = units.size() * sizeof(Unit);
+    // The device address of the table `entries` for a kernel on `stream`. `scratch` receives the uploaded tensor
+    // when the table is not kept; the caller holds it until the launch is enqueued (the caching allocator then
+    // orders its reuse after the kernel, on the same stream).
+    template <class Entry>
+    const void* get(const std::vector<Entry>& entries, const c10::cuda::CUDAStream& stream, at::Tensor& scratch) {
+        const size_t bytes = entries.size() * sizeof(Entry);
         if (bytes > kMaxTableBytes) {
-            scratch = upload(units.data(), bytes, stream.device());
+            scratch = upload(entries.data(), bytes, stream.device());
             return scratch.data_ptr();
         }
         const StreamKey where{stream.id(), stream.device_index()};
         std::string key(reinterpret_cast<const char*>(&where), sizeof(where));
-        key.append(reinterpret_cast<const char*>(units.data()), bytes);
+        key.append(reinterpret_cast<const char*>(entries.data()), bytes);
         std::lock_guard<std::mutex> lock(mutex_);
         auto found = tables_.find(key);
         if (found != tables_.end()) {
             order_.splice(order_.begin(), order_, found->second.second);  // most recently used first
             return found->second.first.data_ptr();
         }
-        at::Tensor table = upload(units.data(), bytes, stream.device());
+        at::Tensor table = upload(entries.data(), bytes, stream.device());
         if (seen_.insert(std::hash<std::string>()(key)).second) {  // first sighting: for this call only
             if (seen_.size() > kMaxSeen) seen_.clear();
             scratch = table;
