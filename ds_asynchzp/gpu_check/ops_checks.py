@@ -79,7 +79,7 @@ def bench_ops(device, sizes: List[str], min_time: float) -> List[Dict]:
     rows = bench.run(bench.OPS, list(bench.DTYPES), [bench.parse_size(s) for s in sizes], device, min_time=min_time)
     module, reason = bench.deepspeed_quantizer(device)
     for size in sizes:
-        rows += bench.deepspeed_rows(module, reason, bench.parse_size(size), device, min_time)
+        rows += bench.deepspeed_rows(module, reason, bench.parse_size(size), device)
     table = [{"op": r["op"], "dtype": r["dtype"], "size": bench.human(r["size_bytes"]), "kernel GB/s": r["gbps"],
               "copy GB/s": r["copy_gbps"], "kernel / copy": _ratio(r), "whole-op GB/s": r.get("whole_gbps"),
               "latency µs": r.get("latency_us"), "host µs": r.get("host_us"), "note": r.get("note", "")}
