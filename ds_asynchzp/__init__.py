@@ -10,6 +10,8 @@ reduction and one parameter refresh per optimizer step cross nodes.
 * ``ds_asynchzp.sequence_parallel_loss(loss_sum, num_tokens, group)``: the loss of a sequence split over a Ulysses
   sequence-parallel group (ALST), through ``deepspeed.comm``.
 * ``ds_asynchzp.ledger``: bytes of every collective, intra- vs inter-node.
+* ``ds_asynchzp.add_observer(observer)``: a tool's callbacks around engine construction, forward, backward and
+  step (``runtime/observers.py``; also named by the ``DS_ASYNCHZP_OBSERVERS`` environment variable).
 * ``ds_asynchzp.install_cpu_zeropp_quantizer()``: lets stock ZeRO++ (qwZ, qgZ) run on CPU ranks (call it before
   ``deepspeed.initialize``).
 
@@ -38,12 +40,14 @@ _LAZY = {
     "SUPPORTED_DEEPSPEED_VERSION": "ds_asynchzp.platform.deepspeed_internals",
     "install_cpu_zeropp_quantizer": "ds_asynchzp.platform.deepspeed_internals",
     "sequence_parallel_loss": "ds_asynchzp.runtime.sp_loss",
+    "add_observer": "ds_asynchzp.runtime.observers",
+    "remove_observer": "ds_asynchzp.runtime.observers",
 }
 
 
 def __getattr__(name: str):
     if name == "ledger":
-        return importlib.import_module("ds_asynchzp.accounting.ledger")
+        return importlib.import_module("ds_asynchzp.platform.ledger")
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'ds_asynchzp' has no attribute {name!r}")
@@ -54,5 +58,5 @@ __all__ = [
     "AsyncHZPConfigError", "AsyncHZPNotActiveError", "PartitionWriteError", "AsyncHZPEngine",
     "HierarchicalZeroOptimizer",
     "ResolvedLayout", "resolve_layout", "section_from_ds_config", "SUPPORTED_DEEPSPEED_VERSION", "__version__",
-    "install_cpu_zeropp_quantizer", "sequence_parallel_loss",
+    "install_cpu_zeropp_quantizer", "sequence_parallel_loss", "add_observer", "remove_observer",
 ]

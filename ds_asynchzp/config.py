@@ -24,7 +24,7 @@ Sizes (``d_p`` params, ``d_g`` grads, ``d_o`` optimizer states) must satisfy
 ``node_size`` or is a multiple of it); ``d_o`` is any divisor of the world that
 is a multiple of ``d_g``. ``"auto"`` may be given for any of the three: the
 "auto" sizes are chosen together, the integer ones constrain the search, by
-:func:`ds_asynchzp.accounting.sizing.choose_layout` (the fitting layout with
+:func:`ds_asynchzp.formulas.sizing.choose_layout` (the fitting layout with
 the least estimated communication time, from the two bandwidth keys).
 
 :func:`resolve_layout` checks all of this, plus the ZeRO settings AsyncHZP
@@ -47,7 +47,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .accounting import sizing
+from .formulas import sizing
 from .config_compat import autoep_size, compat_issues, expert_issues, offloads_optimizer
 from .errors import AsyncHZPConfigError, ConfigIssue
 from .layout import HierarchicalLayout
@@ -560,7 +560,7 @@ def resolve_layout(
     ``world_size`` is the data-parallel world size; ``local_world_size`` the
     ranks per node when the caller knows it (else the launcher's environment
     is read; a configured ``async_hzp.node_size`` must agree with both).
-    ``num_parameters`` (padded, see :mod:`ds_asynchzp.accounting.sizing`) is
+    ``num_parameters`` (padded, see :mod:`ds_asynchzp.formulas.sizing`) is
     needed only for ``"auto"``, which also reads the accumulation steps and
     the dtypes (``bf16``/``fp16``, ``data_types.grad_accum_dtype``,
     ``communication_data_type``) from the ds_config. ``sequence_parallel_size``:

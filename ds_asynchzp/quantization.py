@@ -63,7 +63,7 @@ class QuantFormat:
         return self.bits / 8 + SCALE_BYTES / self.block_size
 
 
-# The flows of `accounting.traffic.FLOWS` that can be quantized.
+# The flows of `formulas.traffic.FLOWS` that can be quantized.
 QUANTIZABLE_FLOWS = ("param_gather", "grad_reduce_scatter", "boundary_grad", "boundary_allreduce", "param_refresh")
 
 

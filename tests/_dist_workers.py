@@ -18,13 +18,13 @@ import deepspeed
 import torch
 
 import ds_asynchzp
-from ds_asynchzp.accounting import ledger
+from ds_asynchzp.platform import ledger
 from ds_asynchzp.comm import delay_injection
 from ds_asynchzp.bench.zero3_knobs import NO_OVERLAP as BENCH_ZERO3_KNOBS
 from ds_asynchzp.bench.data import batch_for
 from ds_asynchzp.bench.model import MODEL_PRESETS, build_model
-from ds_asynchzp.accounting.memory import model_state_bytes
-from ds_asynchzp.accounting.sizing import padded_num_params
+from ds_asynchzp.measure.memory import model_state_bytes
+from ds_asynchzp.formulas.sizing import padded_num_params
 from ds_asynchzp.platform.deepspeed_internals import autoep_groups
 
 # The benchmark's no-overlap ZeRO-3 knobs (every arm the same; nothing stays gathered between passes), with small

@@ -60,7 +60,7 @@ KNOB_CHOICES = {
 
 def valid_layouts(world: int, node: int) -> list:
     """Every (d_p, d_g, d_o) the config accepts for this world and node size (the package's own list)."""
-    from ds_asynchzp.accounting.sizing import valid_layouts as accepted
+    from ds_asynchzp.formulas.sizing import valid_layouts as accepted
     return accepted(world, node)
 
 

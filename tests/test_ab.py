@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_asynchzp.accounting.recording import PROGRESS_MARK, RECORD_KEY
+from ds_asynchzp.measure.recording import PROGRESS_MARK, RECORD_KEY
 from ds_asynchzp.bench import ab
 from ds_asynchzp.bench.arms import arm_ds_config, parse_arm_spec
 from ds_asynchzp.bench.launch import free_port

@@ -241,7 +241,7 @@ def test_comm_delay_reaches_every_payload_and_the_recorded_config():
 
 
 def test_layouts_recorded_by_the_step_recorder():
-    from ds_asynchzp.accounting import step_recorder
+    from ds_asynchzp.measure import step_recorder
 
     args = cli.parse_args(["--nproc", "8", "--node-size", "4"])
     zero3, text = step_recorder.stock_layout(cli.ds_config_for("zero3", args), 8, 4)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from ds_asynchzp import planner
-from ds_asynchzp.accounting import traffic
+from ds_asynchzp.formulas import traffic
 from ds_asynchzp.config import resolve_layout
 from ds_asynchzp.netem import tracking
 from ds_asynchzp.netem import cli

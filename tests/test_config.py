@@ -14,7 +14,7 @@ import pytest
 import torch.distributed as dist
 
 from ds_asynchzp import schema
-from ds_asynchzp.accounting import sizing
+from ds_asynchzp.formulas import sizing
 from ds_asynchzp.config import (
     AsyncHZPConfig,
     AsyncHZPConfigError,
@@ -462,7 +462,7 @@ def test_log_layout_flag_reaches_the_layout():
 def test_config_and_planner_start_without_deepspeed():
     """asynchzp-plan and config validation must not pay for (or depend on) DeepSpeed or the runtime."""
     code = ("import sys, ds_asynchzp.planner.cli, ds_asynchzp.config, ds_asynchzp.schema, "
-            "ds_asynchzp.accounting.sizing, ds_asynchzp.accounting.traffic\n"
+            "ds_asynchzp.formulas.sizing, ds_asynchzp.formulas.traffic\n"
             "assert 'deepspeed' not in sys.modules, sorted(m for m in sys.modules if 'deepspeed' in m)\n"
             "bad = sorted(m for m in sys.modules if m.split('.')[:2] in (['ds_asynchzp', 'runtime'], "
             "['ds_asynchzp', 'state'], ['ds_asynchzp', 'comm']))\n"

@@ -8,7 +8,7 @@ and 1 carry DeepSpeed's trace-order checks and are left out).
 
 import pytest
 
-from ds_asynchzp.accounting.traffic import TrafficInputs, asynchzp_bytes, hpz_bytes, zero3_bytes
+from ds_asynchzp.formulas.traffic import TrafficInputs, asynchzp_bytes, hpz_bytes, zero3_bytes
 
 WORLD, NODE = 4, 2
 FIRST_STEADY_STEP = 2

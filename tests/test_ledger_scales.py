@@ -4,7 +4,7 @@ rows say is scales, stock ZeRO++'s separate fp32 scale collectives, and everythi
 import pytest
 import torch
 
-from ds_asynchzp.accounting.ledger import CommLedger
+from ds_asynchzp.platform.ledger import CommLedger
 from ds_asynchzp.comm.quantized import row_layout
 from ds_asynchzp.quantization import QuantFormat
 

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from ds_asynchzp.accounting.ledger import CommLedger, CommRecord
+from ds_asynchzp.platform.ledger import CommLedger, CommRecord
 
 
 def _record(started, ended, thread="asynchzp-gather"):

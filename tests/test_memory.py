@@ -1,9 +1,9 @@
 """Per-rank model-state bytes, measured from the tensors that hold them, against
-ds_asynchzp.accounting.sizing.model_state_bytes_per_rank (docs/ARCHITECTURE.md, "Who owns which state")."""
+ds_asynchzp.formulas.sizing.model_state_bytes_per_rank (docs/ARCHITECTURE.md, "Who owns which state")."""
 
 import pytest
 
-from ds_asynchzp.accounting.sizing import model_state_bytes_per_rank
+from ds_asynchzp.formulas.sizing import model_state_bytes_per_rank
 
 WORLD, NODE = 8, 4
 RTOL = 0.02

@@ -14,7 +14,7 @@ gradients for 6 steps, to 5e-6 (as in test_parity).
 
 import pytest
 
-from ds_asynchzp.accounting.traffic import TrafficInputs, asynchzp_flows
+from ds_asynchzp.formulas.traffic import TrafficInputs, asynchzp_flows
 from ds_asynchzp.layout import HierarchicalLayout
 from tests.dist_harness import run_cases
 

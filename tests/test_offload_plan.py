@@ -1,5 +1,5 @@
-"""Optimizer offload in the arithmetic: device and host bytes per rank (accounting.sizing), the host<->device flow
-(accounting.traffic), "auto" with offload (sizing.choose_layout, config.resolve_layout) and
+"""Optimizer offload in the arithmetic: device and host bytes per rank (formulas.sizing), the host<->device flow
+(formulas.traffic), "auto" with offload (sizing.choose_layout, config.resolve_layout) and
 ``asynchzp-plan --offload-optimizer``. By hand for small cases, then the 70B example. No ranks."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import json
 import pytest
 
 from ds_asynchzp import planner
-from ds_asynchzp.accounting import sizing, traffic
+from ds_asynchzp.formulas import sizing, traffic
 from ds_asynchzp.config import resolve_layout
 from ds_asynchzp.errors import AsyncHZPConfigError
 from ds_asynchzp.planner import cli as plan_cli

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from ds_asynchzp import planner
-from ds_asynchzp.accounting import sizing, traffic
+from ds_asynchzp.formulas import sizing, traffic
 from ds_asynchzp.planner import cli as plan_cli
 
 GIB = 2**30
@@ -197,7 +197,7 @@ def test_asynchzp_crosses_nodes_far_less_than_zero3_whatever_the_accumulation():
 def test_zeropp_published_quarter_and_what_stock_qgz_sends():
     """The paper's accounting (0.5M + 0 + 0.25M against 3M per micro-step) and what stock DeepSpeed sends: its qgZ
     crosses nodes with the node-reduced slice only, 1/G of the INT4 gradient, so less than the paper counts."""
-    from ds_asynchzp.accounting import traffic
+    from ds_asynchzp.formulas import traffic
     from ds_asynchzp.planner import volume
 
     t = traffic.TrafficInputs(world=64, node_size=8, grad_accum=1, gathered_elements=6400, reduced_elements=6400,

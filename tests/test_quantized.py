@@ -4,12 +4,12 @@ shipped text converges like stock ZeRO-3's.
 
 One launch: 4 ranks in 2 nodes of 2, the tiny model, the benchmark's ZeRO-3 knobs (nothing stays gathered), so
 every flow of a step runs. Bytes are the ledger's ring-model bytes per rank per steady step, compared with
-`ds_asynchzp.accounting.traffic` given the engine's own quantization plan.
+`ds_asynchzp.formulas.traffic` given the engine's own quantization plan.
 """
 
 import pytest
 
-from ds_asynchzp.accounting.traffic import TrafficInputs, asynchzp_bytes
+from ds_asynchzp.formulas.traffic import TrafficInputs, asynchzp_bytes
 from ds_asynchzp.config import resolve_layout
 from ds_asynchzp.layout import HierarchicalLayout
 from ds_asynchzp.quantization import QuantFormat, plan_quantization

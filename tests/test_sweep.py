@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from ds_asynchzp.accounting import flows
+from ds_asynchzp.formulas import flows
 from ds_asynchzp.bench import cli, sweep
 from ds_asynchzp.planner import cli as plan_cli
 from ds_asynchzp.planner import time_model

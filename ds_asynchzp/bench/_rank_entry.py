@@ -15,7 +15,7 @@ import signal
 import sys
 import traceback
 
-from ds_asynchzp.accounting.json_files import write_text_atomically
+from ds_asynchzp.measure.json_files import write_text_atomically
 from ds_asynchzp.bench.launch import CPU_INFO_ENV, reuse_cpu_info
 
 

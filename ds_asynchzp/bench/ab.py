@@ -6,7 +6,7 @@
 Per arm, in order: the arm's ds_config is written from the user's (`arms.arm_ds_config`, as the bench writes its
 own), with an ``"async_hzp_record"`` key; ``{config}`` in the command becomes its path; the command runs. Inside
 every rank the engine that ``ds_asynchzp.initialize`` or ``register()`` builds records each optimizer step and,
-after ``--steps`` of them, writes the rank's record and ends the job with exit 0 (`accounting.recording`). The
+after ``--steps`` of them, writes the rank's record and ends the job with exit 0 (`measure.recording`). The
 records become the bench's results.json entries (`aggregate`), table (`table`) and report (`report`).
 
 Any launcher works that starts the script on every rank with the tool's environment and filesystem: ``deepspeed``,
@@ -31,8 +31,9 @@ import threading
 import time
 from pathlib import Path
 
-from ..accounting.json_files import write_json_atomically
-from ..accounting.recording import PROGRESS_MARK, RECORD_KEY
+from ..measure.json_files import write_json_atomically
+from ..measure.recording import PROGRESS_MARK, RECORD_KEY
+from ..runtime.observers import ENVIRONMENT_VARIABLE
 from .aggregate import aggregate_arm, merge_repeats
 from .arms import ARMS, ArmSpecError, arm_ds_config, parse_arm_specs
 from .cli import _log_dir_name, _non_negative_int, _positive_float, _positive_int, environment
@@ -41,6 +42,8 @@ from .offload import host_state_bytes
 PROG = "asynchzp-ab"
 DEFAULT_ARMS = "zero3,hpz,zeropp,asynchzp"
 PLACEHOLDER = "{config}"
+# The recorder every arm's ranks load (also the package's entry point of the same value, in pyproject.toml).
+RECORDER = "ds_asynchzp.measure.recording:observer"
 # Launcher flags that give the ranks per node, in the order they are looked for.
 NODE_SIZE_FLAGS = ("--num_gpus", "--num-gpus", "--nproc_per_node", "--nproc-per-node")
 LOG_TAIL_LINES = 25
@@ -216,6 +219,17 @@ def _read_records(record_dir: Path) -> list:
     return records
 
 
+def _arm_environment() -> dict:
+    """The command's environment, naming the recorder among the runtime's observers (`runtime.observers`): for
+    ranks that inherit it; an installed package also names it by its entry point, for launchers that start ranks
+    without the caller's environment."""
+    env = dict(os.environ)
+    names = [n for n in env.get(ENVIRONMENT_VARIABLE, "").split(",") if n.strip()]
+    if RECORDER not in names:
+        env[ENVIRONMENT_VARIABLE] = ",".join(names + [RECORDER])
+    return env
+
+
 def run_arm(args: argparse.Namespace, spec, label: str) -> tuple[list, dict]:
     """Run the command under one arm; its rank records and its provenance, or `ArmFailure`."""
     out = Path(args.out)
@@ -236,7 +250,7 @@ def run_arm(args: argparse.Namespace, spec, label: str) -> tuple[list, dict]:
     started = time.monotonic()
     try:
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                errors="replace", start_new_session=True)
+                                errors="replace", start_new_session=True, env=_arm_environment())
     except OSError as exc:
         raise ArmFailure(f"arm {spec.name}: cannot run the launch command {command[0]!r}: {exc}") from None
     progress: list = []

@@ -120,7 +120,7 @@ def aggregate_arm(rank_results: list, warmup: int, tokens_per_step: int) -> dict
         "bytes_per_step_by_op": bytes_by_op,
         # dense / expert / tokens (AutoEP's experts and token all-to-all; dense alone without AutoEP).
         "bytes_per_step_by_family": bytes_by_family,
-        # forward gather / backward gather / gradient reduction / parameter refresh / other (accounting.flows).
+        # forward gather / backward gather / gradient reduction / parameter refresh / other (formulas.flows).
         "bytes_per_step_by_flow": bytes_by_flow,
         "families": by_rank[0].get("families"),
         # Bytes copied between device and host memory that the ledger saw (AsyncHZP's offload copies), per rank per

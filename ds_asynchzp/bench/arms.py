@@ -7,7 +7,7 @@ import copy
 import re
 from dataclasses import dataclass, field
 
-from ..accounting.traffic import offload_twin
+from ..formulas.traffic import offload_twin
 from ..planner import QUANTIZED_ARMS
 
 # arm -> (what it is, substring of the optimizer class the worker must find in the engine).

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..accounting.json_files import write_json_atomically
+from ..measure.json_files import write_json_atomically
 from ..layout import expert_members_per_node
 from ..planner.moe import UNSUPPORTED_ARMS as MOE_UNSUPPORTED_ARMS
 from .aggregate import aggregate_arm, merge_repeats

@@ -1,6 +1,6 @@
 """The optimizer-offload arms' figures (``zero3-offload``, ``asynchzp-offload``): host<->device bytes per optimizer
 step and model-state bytes on the host and on the device per rank, measured where the run can measure them, each
-next to the formula of `ds_asynchzp.accounting.traffic` / `ds_asynchzp.accounting.sizing`.
+next to the formula of `ds_asynchzp.formulas.traffic` / `ds_asynchzp.formulas.sizing`.
 
 What is measured and what is not, on these CPU ranks:
 
@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import json
 
-from ..accounting import sizing, traffic
+from ..formulas import sizing, traffic
 from ..planner import DTYPE_BYTES, asynchzp_sizes, bench_element_counts
 from ..planner.offload import arm_placement
 from .arms import OFFLOAD_ARMS, OFFLOAD_OPTIMIZER, parse_arm_spec
 
-# Model-state roles (`accounting.memory.model_state_bytes`, plus the worker's fp32_grad) that the offload path
+# Model-state roles (`measure.memory.model_state_bytes`, plus the worker's fp32_grad) that the offload path
 # keeps on the host. grad_primary is stock's own gradient partition: the memory module counts it only where it
 # is not a view into AsyncHZP's gradient shard, which stays on the device.
 HOST_ROLES = ("grad_primary", "master", "optimizer_state", "fp32_grad")
@@ -41,7 +41,7 @@ MB = 1e6
 STOCK_NOT_MEASURED = (
     "stock ZeRO-3's copies are between host tensors on CPU ranks (no-op `.to()` calls or plain memcpy), which "
     "nothing records: its host<->device figure is the formula `(2·a·A + 4 + b)·P/N` of "
-    "`accounting/traffic.py` (`stock_offload_host_device_bytes`), not a measurement")
+    "`formulas/traffic.py` (`stock_offload_host_device_bytes`), not a measurement")
 CPU_OFFLOAD_CAVEAT = (
     "**CPU testbed and offload.** These ranks have no accelerator: device and host are the same RAM and there is no "
     "PCIe, so a host<->device copy costs at most a memcpy here, where on a GPU it crosses PCIe (the planner assumes "
@@ -199,12 +199,12 @@ def format_offload_table(results: dict) -> list[str]:
             *_table(header, rows), "",
             f"Per rank per optimizer step ({ga} micro-steps) for the copies, per rank for memory (rank 0, measured "
             "before the last step); MB = 10^6 bytes. asynchzp-offload's copies are measured by the ledger (the "
-            "copies AsyncHZP notes, steady steps, mean over ranks), with the formula of `accounting/traffic.py` "
+            "copies AsyncHZP notes, steady steps, mean over ranks), with the formula of `formulas/traffic.py` "
             "(`asynchzp_host_device_bytes`, `4·P_r/d_o` out, `b·P_t/d_o` back) in brackets; "
             f"{STOCK_NOT_MEASURED}. Host memory: "
             "the bytes of the tensors the offload path keeps on the host (fp32 master, Adam moments, the fp32 "
             "gradients the host optimizer reads, and stock's gradient partition, named grad_shard as in "
-            "`accounting/sizing.py`), with `sizing.placement_bytes_per_rank` / `stock_placement_bytes_per_rank` "
+            "`formulas/sizing.py`), with `sizing.placement_bytes_per_rank` / `stock_placement_bytes_per_rank` "
             "in brackets; device: the other model-state roles. vs zero3-offload: the arm's host<->device bytes "
             "over zero3-offload's (each as shown). Offload settings, the same in every offload arm: "
             + ", ".join(f"`offload_optimizer={s}`" for s in sorted(settings))

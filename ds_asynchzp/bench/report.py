@@ -358,7 +358,7 @@ def _memory(arms: dict) -> list[str]:
             for arm, e in arms.items()]
     return ["## Model-state memory (rank 0, MB)", "", *_md_table(["arm", *roles, "total"], rows), "",
             "Bytes of the tensors holding each role on rank 0, each storage counted once "
-            "(`ds_asynchzp.accounting.memory.model_state_bytes`); every role any arm has gets a column, 0 where an "
+            "(`ds_asynchzp.measure.memory.model_state_bytes`); every role any arm has gets a column, 0 where an "
             "arm has none. param_primary / param_secondary / grad_primary: stock ZeRO-3 and hpZ partitions; "
             "param_shard / grad_shard: AsyncHZP's intra-node shards; master and optimizer_state: fp32 master weights "
             "and Adam moments (with optimizer offload on the host, with stock's grad_primary: see the offload "

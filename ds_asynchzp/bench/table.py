@@ -19,7 +19,7 @@ COLUMNS = ("arm", "final loss", r"max \|loss rel diff\| vs zero3", "intra MB/ste
            "inter ratio vs zero3", "median step s", "exposed comm s/step", "comm busy s/step", "peak RSS MB",
            "model-state MB")
 # Model-state roles in a fixed order (parameters, gradients, master weights, optimizer states); roles recorded by
-# `ds_asynchzp.accounting.memory.model_state_bytes` but not listed here follow, sorted.
+# `ds_asynchzp.measure.memory.model_state_bytes` but not listed here follow, sorted.
 ROLE_ORDER = ("param_primary", "param_secondary", "param_shard", "grad_primary", "grad_shard", "master",
               "optimizer_state")
 # layout key -> its short name in the tables.

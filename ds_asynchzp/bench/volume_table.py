@@ -4,7 +4,7 @@ the planner's formulas (`planner.volume`), and ZeRO++'s published accounting for
 
 from __future__ import annotations
 
-from ..accounting import traffic
+from ..formulas import traffic
 from ..planner import check_results
 from ..planner import volume
 from .table import MB

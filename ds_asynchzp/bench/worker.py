@@ -77,9 +77,9 @@ def run_arm(payload: dict) -> dict:
     import torch
 
     import ds_asynchzp
-    from ds_asynchzp.accounting import ledger
-    from ds_asynchzp.accounting.recording import check_engine, prepare_rank
-    from ds_asynchzp.accounting.step_recorder import StepRecorder
+    from ds_asynchzp.platform import ledger
+    from ds_asynchzp.measure.recording import check_engine, prepare_rank
+    from ds_asynchzp.measure.step_recorder import StepRecorder
 
     from .data import batch_for
     from .offload import host_state_bytes

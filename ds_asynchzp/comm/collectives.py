@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from ..accounting import ledger
+from ..platform import ledger
 from ..platform.deepspeed_internals import backend_name, comm_backend, ds_comm
 from ..platform.process_groups import Group
 from . import delay_injection

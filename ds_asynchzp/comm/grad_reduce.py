@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from .. import ops
-from ..accounting import ledger
+from ..platform import ledger
 from ..errors import GradientMismatchError
 from ..platform import streams
 from ..platform.process_groups import Group

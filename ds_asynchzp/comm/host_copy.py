@@ -16,7 +16,7 @@ from typing import List, Tuple
 
 import torch
 
-from ..accounting import ledger
+from ..platform import ledger
 from ..platform import streams
 from ..state.sharded_buffer import ShardedBuffer
 

@@ -38,7 +38,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .. import ops
-from ..accounting import ledger
+from ..platform import ledger
 from ..errors import PartitionWriteError
 from ..platform import streams
 from ..platform.deepspeed_internals import mark_available, mark_inflight

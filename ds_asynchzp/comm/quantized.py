@@ -27,7 +27,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from .. import ops
-from ..accounting import ledger
+from ..platform import ledger
 from ..quantization import SCALE_BYTES, QuantFormat
 from ..platform.process_groups import Group
 from ..state.scratch import Scratch

@@ -39,7 +39,7 @@ from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
 
-from ..accounting import ledger
+from ..platform import ledger
 from ..platform import streams
 from ..quantization import NO_QUANTIZATION, QuantizationPlan
 from ..platform.process_groups import ProcessGroups

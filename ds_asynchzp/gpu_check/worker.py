@@ -81,7 +81,7 @@ def run_arm(payload: dict) -> dict:
     import torch
 
     import ds_asynchzp
-    from ..accounting.memory import model_state_bytes
+    from ..measure.memory import model_state_bytes
     from ..bench.data import batch_for
     from ..bench.model import MODEL_PRESETS, build_model
 

@@ -1,7 +1,7 @@
 """Plan a cluster before training: model-state memory, bytes and communication time per optimizer step per arm.
 
 Every number comes from the same code the engine and the tests use: traffic formulas from
-:mod:`ds_asynchzp.accounting.traffic`, the memory model from :mod:`ds_asynchzp.accounting.sizing`, and the layout
+:mod:`ds_asynchzp.formulas.traffic`, the memory model from :mod:`ds_asynchzp.formulas.sizing`, and the layout
 (``"auto"`` included, with its reason) from :func:`ds_asynchzp.config.resolve_layout` itself. This module only
 adds ZeRO++'s quantized arm, which the engine does not run (ZeRO++ quantization is rejected together with
 ``async_hzp``):
@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..accounting import sizing, traffic
+from ..formulas import sizing, traffic
 from ..config import AsyncHZPConfig, resolve_layout
 from ..errors import AsyncHZPConfigError
 from ..layout import HierarchicalLayout
@@ -128,7 +128,7 @@ def arm_bytes(arm: str, t: traffic.TrafficInputs, d_p: int, d_g: int, d_o: int |
 
 def arm_memory(arm: str, num_params: int, world: int, node_size: int, d_p: int, d_g: int, param_bytes: int,
                d_o: int | None = None, grad_accum_bytes: int | None = None) -> dict:
-    """Model-state bytes per rank, from :func:`ds_asynchzp.accounting.sizing.model_state_bytes_per_rank`.
+    """Model-state bytes per rank, from :func:`ds_asynchzp.formulas.sizing.model_state_bytes_per_rank`.
 
     Stock ZeRO-3 is the layout ``d_p = d_g = d_o = world`` (its partitions are the ``param_shard`` and
     ``grad_shard`` roles); hpZ adds a secondary partition over the node (``b·Ψ/G``, kept unquantized by

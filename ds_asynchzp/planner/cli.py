@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from .. import planner
-from ..accounting.sizing import BYTES_PER_GB
+from ..formulas.sizing import BYTES_PER_GB
 from ..bench.records import read_results
 from . import offload as offload_plan
 from . import sequence_parallel as sp_plan

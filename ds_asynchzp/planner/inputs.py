@@ -58,7 +58,7 @@ def parse_memory(text: str) -> int:
 
     Memory sizes use binary multiples for both ``GB`` and ``GiB`` (drivers and torch report device memory
     that way), the convention of ``async_hzp.memory_budget_gb``
-    (:data:`ds_asynchzp.accounting.sizing.BYTES_PER_GB`). Bits are rejected.
+    (:data:`ds_asynchzp.formulas.sizing.BYTES_PER_GB`). Bits are rejected.
     """
     number, unit = _split_unit(text, "memory size", "80GB")
     if _is_bits(unit["base"]) or unit["per"]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..accounting import sizing, traffic
+from ..formulas import sizing, traffic
 from ..layout import HierarchicalLayout, expert_layout, expert_members_per_node
 
 TOKEN_PASSES = 4          # dispatch and combine, forward and backward

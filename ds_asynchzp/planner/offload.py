@@ -2,18 +2,18 @@
 
 For every arm: where its model states live per rank, device and host, with offload and without it, and the
 ``host_device`` flow (bytes copied between the device and its host per optimizer step). The numbers come from
-:func:`ds_asynchzp.accounting.sizing.placement_bytes_per_rank` (AsyncHZP) and
-:func:`~ds_asynchzp.accounting.sizing.stock_placement_bytes_per_rank` (ZeRO-3, hpZ, ZeRO++), and from
-:func:`ds_asynchzp.accounting.traffic.host_device_bytes`; the network flows are the arms' usual ones, which
+:func:`ds_asynchzp.formulas.sizing.placement_bytes_per_rank` (AsyncHZP) and
+:func:`~ds_asynchzp.formulas.sizing.stock_placement_bytes_per_rank` (ZeRO-3, hpZ, ZeRO++), and from
+:func:`ds_asynchzp.formulas.traffic.host_device_bytes`; the network flows are the arms' usual ones, which
 offload does not change.
 
-The copies are timed at :data:`ds_asynchzp.accounting.sizing.HOST_DEVICE_BW_BYTES_S`, the rate ``"auto"``
+The copies are timed at :data:`ds_asynchzp.formulas.sizing.HOST_DEVICE_BW_BYTES_S`, the rate ``"auto"``
 assumes, so the time column and the ``"auto"`` pick agree.
 """
 
 from __future__ import annotations
 
-from ..accounting import sizing, traffic
+from ..formulas import sizing, traffic
 
 STOCK_ARMS = ("zero3", "hpz", "zeropp")
 ASSUMPTIONS = [

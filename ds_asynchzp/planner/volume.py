@@ -16,8 +16,8 @@ column, 8/min(rows, cols) of the INT4 payload: 2 % at width 384).
 
 from __future__ import annotations
 
-from ..accounting import flows as F
-from ..accounting import traffic
+from ..formulas import flows as F
+from ..formulas import traffic
 
 INT8_BYTES = traffic.ZEROPP_INT8_BYTES
 INT4_BYTES = traffic.ZEROPP_INT4_BYTES

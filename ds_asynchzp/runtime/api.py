@@ -12,12 +12,12 @@ import deepspeed
 from deepspeed.accelerator import get_accelerator
 from deepspeed.pipe import PipelineModule
 
-from ..accounting import recording
-from ..accounting.sizing import padded_num_params
+from ..formulas.sizing import padded_num_params
 from ..config import ResolvedLayout, load_ds_config, resolve_layout, section_from_ds_config
 from ..errors import AsyncHZPConfigError, AsyncHZPNotActiveError
 from ..config_compat import autoep_size
 from ..platform.deepspeed_internals import ds_comm, engine_class_swapped, hpz_groups_while_built, is_zero_param
+from . import observers
 from .engine import engine_class_for
 from .optimizer import HierarchicalZeroOptimizer
 from .sequence_parallel import refuse_device_mesh, sequence_parallel_size
@@ -118,12 +118,11 @@ def _rank() -> int:
 def initialize(*args, **kwargs):
     """`deepspeed.initialize` that honours the ``"async_hzp"`` section (stock ZeRO-3 without it)."""
     config = _ds_config_of(_INITIALIZE_SIGNATURE.bind(*args, **kwargs).arguments)
-    config = load_ds_config(config) if config is not None else None
-    # An asynchzp-ab arm (the "async_hzp_record" key): every arm's engine is recorded, stock ones too.
-    recorded = recording.begin(config) if config is not None else None
+    config = load_ds_config(config) if config is not None else {}
+    # Tools (asynchzp-ab's recorder) see every engine, stock ones too (`observers`).
+    observers.before_engine(config)
     result = _initialize(*args, **kwargs)
-    if recorded is not None:
-        recording.attach(result[0], config, recorded)
+    observers.after_engine(result[0], config)
     return result
 
 

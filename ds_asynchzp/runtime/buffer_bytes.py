@@ -2,7 +2,7 @@
 (docs/ARCHITECTURE.md, "Memory beyond model states").
 
 The model states (parameter and gradient shards, master weights, optimizer states) are measured by
-`accounting.memory`; these are the buffers the communication path adds to them. Each is read from the object
+`measure.memory`; these are the buffers the communication path adds to them. Each is read from the object
 that owns it, so the figure is what the run holds, not a formula.
 """
 

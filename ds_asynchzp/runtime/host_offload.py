@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, Iterable
 
-from ..accounting import ledger
+from ..platform import ledger
 from ..comm.host_copy import GradToHost
 from ..platform import streams
 from ..platform.deepspeed_internals import (offload_grad_norm, offload_grad_norms, offload_host_grad,

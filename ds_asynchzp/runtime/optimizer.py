@@ -35,7 +35,7 @@ from typing import Dict, List, Optional
 import torch
 
 from .. import ops
-from ..accounting import ledger
+from ..platform import ledger
 from ..comm.collectives import broadcast, warm_up_groups
 from ..comm.grad_reduce import GradReduce
 from ..comm.param_gather import GatherSource, ParamGather

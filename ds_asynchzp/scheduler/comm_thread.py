@@ -26,7 +26,7 @@ import threading
 import time
 from typing import Callable, Optional
 
-from ..accounting import ledger
+from ..platform import ledger
 from ..errors import AsyncHZPNotActiveError, CommThreadError, CommTimeoutError, GradientMismatchError
 from ..platform import streams
 from .issue_order import IssueOrder

@@ -1,12 +1,13 @@
 """Record an A/B arm inside the user's own training job, and end the job after its steps.
 
 ``asynchzp-ab`` writes each arm's ds_config with a top-level ``"async_hzp_record"`` key (`RECORD_KEY`): where the
-rank records go, the arm's name, how many optimizer steps to record. `ds_asynchzp.initialize` (directly, or
-through ``register()`` from HF Trainer, Accelerate or TRL) sees the key and, for every arm, stock ones too:
+rank records go, the arm's name, how many optimizer steps to record; and it names `observer` in the environment
+variable ``DS_ASYNCHZP_OBSERVERS`` (`runtime.observers`), so that `ds_asynchzp.initialize` (directly, or through
+``register()`` from HF Trainer, Accelerate or TRL) calls it, for every arm, stock ones too:
 
-* before the engine is built, counts every collective (`ledger`) and, on CPU ranks, lets stock ZeRO++'s quantizer
-  run (`install_cpu_zeropp_quantizer`: DeepSpeed has it as CUDA kernels only);
-* after, checks the engine is the arm's (an AsyncHZP arm must get the hierarchical optimizer), then wraps the
+* before the engine is built, it counts every collective (`ledger`) and, on CPU ranks, lets stock ZeRO++'s
+  quantizer run (`install_cpu_zeropp_quantizer`: DeepSpeed has it as CUDA kernels only);
+* after, it checks the engine is the arm's (an AsyncHZP arm must get the hierarchical optimizer), then watches the
   engine's ``forward``, ``backward`` and ``step`` so that a `StepRecorder` sees every optimizer step as the engine
   does: the losses handed to ``backward``, the time from the step's first forward to its optimizer step (the
   device synchronised), the ledger's bytes;
@@ -25,7 +26,8 @@ import time
 from dataclasses import dataclass
 
 from ..config_compat import offloads_optimizer
-from . import ledger
+from ..platform import ledger
+from ..runtime.observers import watch_engine
 from .json_files import write_json_atomically
 from .step_recorder import StepRecorder
 
@@ -109,8 +111,8 @@ def check_engine(engine, ds_config: dict, expected_optimizer: str | None, arm: s
 
 
 class EngineRecording:
-    """Wraps one engine's forward, backward and step (instance attributes, so every caller, a framework's
-    wrapper included, goes through them) and drives a `StepRecorder`."""
+    """Watches one engine's forward, backward and step (`runtime.observers.watch_engine`) and drives a
+    `StepRecorder`."""
 
     def __init__(self, engine, ds_config: dict, settings: RecordSettings, started: float):
         from ..platform.deepspeed_internals import ds_comm
@@ -127,34 +129,38 @@ class EngineRecording:
                                      node_size=ledger.get().node_size, rank=self.rank, world=self.world,
                                      read_link_counter=settings.read_link_counter, barrier=ds_comm.barrier)
         self._losses: list = []
-        self._forward, self._backward, self._step = engine.forward, engine.backward, engine.step
-        engine.forward, engine.backward, engine.step = self.forward, self.backward, self.step
+        self._boundary = False
+        watch_engine(engine, self)
 
-    def forward(self, *args, **kwargs):
+    def forward_begun(self, engine) -> None:
         import torch
 
         # A forward with gradients opens an optimizer step; evaluation forwards (no grad) do not.
         if not self.recorder.in_step and torch.is_grad_enabled():
             self.recorder.begin_step()
-        with ledger.phase("forward"):
-            return self._forward(*args, **kwargs)
+        ledger.set_phase("forward")
 
-    def backward(self, loss, *args, **kwargs):
+    def backward_begun(self, engine, loss) -> None:
         if not self.recorder.in_step:
             self.recorder.begin_step()
         self._losses.append(loss.detach())
-        with ledger.phase("backward"):
-            return self._backward(loss, *args, **kwargs)
+        ledger.set_phase("backward")
 
-    def step(self, *args, **kwargs):
-        boundary = self.engine.is_gradient_accumulation_boundary()
-        if boundary:
+    def step_begun(self, engine) -> None:
+        self._boundary = engine.is_gradient_accumulation_boundary()
+        if self._boundary:
             self.recorder.before_last_step()
-        with ledger.phase("step"):
-            result = self._step(*args, **kwargs)
-        if boundary and self.recorder.in_step:
+        ledger.set_phase("step")
+
+    def forward_ended(self, engine) -> None:
+        ledger.set_phase("")
+
+    backward_ended = forward_ended
+
+    def step_ended(self, engine) -> None:
+        ledger.set_phase("")
+        if self._boundary and self.recorder.in_step:
             self._end_step()
-        return result
 
     def _end_step(self) -> None:
         import torch
@@ -203,31 +209,42 @@ class EngineRecording:
         os._exit(0)
 
 
-_ATTACHED: list = []
+class ArmRecorder:
+    """The observer `asynchzp-ab` names: records the first engine with an optimizer built under a ds_config that
+    holds `RECORD_KEY`; an engine without one (a reference model) is not recorded."""
+
+    def __init__(self):
+        self._begun: tuple[RecordSettings, float] | None = None
+        self.recording: EngineRecording | None = None
+
+    def before_engine(self, ds_config: dict) -> None:
+        """The settings of a recorded arm, with communication initialised as `deepspeed.initialize` would and the
+        ledger counting."""
+        settings = RecordSettings.from_ds_config(ds_config)
+        if settings is None or self.recording is not None:
+            self._begun = None
+            return   # one engine per job is recorded: the first with an optimizer
+        import deepspeed
+        from deepspeed.accelerator import get_accelerator
+
+        from ..platform.deepspeed_internals import ds_comm
+
+        started = time.perf_counter()
+        if not ds_comm.is_initialized():
+            deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+        prepare_rank(ds_config, settings.node_size)
+        self._begun = (settings, started)
+
+    def after_engine(self, engine, ds_config: dict) -> None:
+        """Check the engine is the arm's and record its optimizer steps."""
+        begun, self._begun = self._begun, None
+        if begun is None or getattr(engine, "optimizer", None) is None:
+            return  # not a recorded arm, or a parameter-only engine (a reference model): nothing steps
+        settings, started = begun
+        check_engine(engine, ds_config, settings.expected_optimizer, settings.arm)
+        self.recording = EngineRecording(engine, ds_config, settings, started)
 
 
-def begin(ds_config: dict) -> tuple[RecordSettings, float] | None:
-    """Before the engine is built: the settings of a recorded arm (None without the key), with communication
-    initialised as `deepspeed.initialize` would and the ledger counting."""
-    settings = RecordSettings.from_ds_config(ds_config)
-    if settings is None or _ATTACHED:
-        return None   # one engine per job is recorded: the first with an optimizer
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
-
-    from ..platform.deepspeed_internals import ds_comm
-
-    started = time.perf_counter()
-    if not ds_comm.is_initialized():
-        deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
-    prepare_rank(ds_config, settings.node_size)
-    return settings, started
-
-
-def attach(engine, ds_config: dict, begun: tuple[RecordSettings, float]) -> None:
-    """After the engine is built: check it is the arm's and record its optimizer steps."""
-    settings, started = begun
-    if getattr(engine, "optimizer", None) is None:
-        return  # a parameter-only engine (a reference model): nothing steps
-    check_engine(engine, ds_config, settings.expected_optimizer, settings.arm)
-    _ATTACHED.append(EngineRecording(engine, ds_config, settings, started))
+def observer() -> ArmRecorder:
+    """The factory `asynchzp-ab` names in ``DS_ASYNCHZP_OBSERVERS``."""
+    return ArmRecorder()

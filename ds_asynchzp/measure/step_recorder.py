@@ -2,7 +2,7 @@
 
 One implementation for both A/B tools: ``asynchzp-bench``'s rank loop calls it around its own steps, and
 ``asynchzp-ab`` attaches it to the engine that ``ds_asynchzp.initialize`` builds inside the user's script
-(`accounting.recording`). Every arm is recorded alike, stock ones too: the figures come from the communication
+(`measure.recording`). Every arm is recorded alike, stock ones too: the figures come from the communication
 ledger (every collective, ours and DeepSpeed's) and from the process, never from the optimizer's own counters.
 
 A record (`StepRecorder.finish`) is one rank's: per-step entries, the steady-state byte totals, memory and the
@@ -15,7 +15,7 @@ import dataclasses
 import resource
 import time
 
-from . import ledger
+from ..platform import ledger
 from .memory import model_state_bytes
 
 LINK_DEVICE = "eth0"

@@ -59,8 +59,8 @@ from typing import Dict, Iterator, List, Optional
 
 import torch
 
-from ..platform.deepspeed_internals import comm_backend, ds_comm
-from . import flows
+from ..formulas import flows
+from .deepspeed_internals import comm_backend, ds_comm
 
 # method -> (op kind, positional parameter names as torch.distributed spells them, the argument whose size
 # is the collective's total size S). The backend's methods are wrapped by decorators that hide their
@@ -483,6 +483,12 @@ def tagged(tag: str):
 
 def carrying_scales(share: float):
     return _LEDGER.carrying_scales(share) if _LEDGER else contextlib.nullcontext()
+
+
+def set_phase(name: str) -> None:
+    """The training phase (forward, backward, step; "" between them) of the training thread's next records."""
+    if _LEDGER is not None:
+        _LEDGER.set_phase(name)
 
 
 @contextlib.contextmanager

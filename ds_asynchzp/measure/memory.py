@@ -3,7 +3,7 @@
 Each storage is counted once, under the first role that holds it: AsyncHZP's shard buffers come first, so
 DeepSpeed's partitions that are views into them (its flat parameter buffer, its gradient partitions) add
 nothing, which is exactly what the placement promises. The figure is what the run really allocated for model
-states, to compare with `ds_asynchzp.accounting.sizing.model_state_bytes_per_rank`. Activations and
+states, to compare with `ds_asynchzp.formulas.sizing.model_state_bytes_per_rank`. Activations and
 communication buffers are not model states.
 """
 

@@ -23,7 +23,7 @@ so it is a safe (slightly pessimistic) input when ``d_o`` is not known yet, as f
 
 The ``"auto"`` rule (:func:`choose_layout`) keeps the layouts whose model states fit the budget and takes the
 one with the least estimated communication time per optimizer step, using the traffic formulas of
-:mod:`ds_asynchzp.accounting.traffic`; the reason string it returns names the numbers behind the choice.
+:mod:`ds_asynchzp.formulas.traffic`; the reason string it returns names the numbers behind the choice.
 
 **Optimizer offload** (``zero_optimization.offload_optimizer.device: "cpu"``, :func:`placement_bytes_per_rank`,
 :func:`stock_placement_bytes_per_rank`). The host-side optimizer (DeepSpeedCPUAdam) reads fp32 gradients, so the
@@ -37,7 +37,7 @@ host holds them besides the fp32 master and the moments:
   the device.
 
 With offload the budget of ``"auto"`` bounds the *device* bytes; host bytes are reported, and the host↔device
-copies (the ``host_device`` flow of :mod:`ds_asynchzp.accounting.traffic`) join the estimated time at
+copies (the ``host_device`` flow of :mod:`ds_asynchzp.formulas.traffic`) join the estimated time at
 :data:`HOST_DEVICE_BW_BYTES_S`.
 """
 

@@ -1,1 +1,0 @@
-"""Formulas (sizing, traffic) and measurements (memory, ledger)."""
