@@ -54,7 +54,15 @@ def test_each_arm_changes_only_its_own_keys_of_the_users_config():
     assert "zero_hpz_partition_size" not in hzp["zero_optimization"]
     assert arm_ds_config(shared, parse_arm_spec("asynchzp-sync"), 2)["async_hzp"]["async_comm"] is False
     assert shared["async_hzp"] == {"enabled": False, "prefetch_depth": 1}, "the user's config is not modified"
-    assert ab.changed_keys(shared, hpz | {"zero_optimization": hpz}) != {}
+    # What each arm changes, as the report lists it: exactly the keys above, the recorder's key aside.
+    assert ab.changed_keys(shared, zero3) == {"zero_optimization.zero_hpz_partition_size": None,
+                                              "zero_optimization.zero_quantized_weights": None, "async_hzp": None}
+    assert ab.changed_keys(shared, {**zero3, "zero_optimization": {"stage": 3, "reduce_bucket_size": 1000,
+                                                                   "zero_hpz_partition_size": 2}}) == {
+        "zero_optimization.zero_hpz_partition_size": 2, "zero_optimization.zero_quantized_weights": None,
+        "async_hzp": None}
+    assert ab.changed_keys(shared, dict(hzp, async_hzp_record={"arm": "x"}))["async_hzp"] == hzp["async_hzp"]
+    assert ab.changed_keys(shared, shared) == {}
 
 
 def test_the_record_key_goes_into_every_arm_and_the_command_gets_the_config(tmp_path):
