@@ -134,9 +134,7 @@ def run_arms(payload: dict) -> dict:
                                                 config=config(case, arm), mpu=mpu)
             steps = case.get("steps", 3)
             result = {"losses": train(engine, case, rank, sp, group, steps),
-                      "optimizer": type(engine.optimizer).__name__,
-                      "comm_dtype": str(engine.communication_data_type),
-                      "train_batch_size": engine.train_batch_size()}
+                      "optimizer": type(engine.optimizer).__name__}
             if case.get("save_dir"):
                 engine.save_checkpoint(os.path.join(case["save_dir"], arm), tag="saved")
                 result["losses_after"] = train(engine, case, rank, sp, group, case["steps_after"],

@@ -61,11 +61,6 @@ def test_losses_equal_stock_zero3_with_alst(trained, case):
         assert len(hzp["losses"]) == len(stock["losses"]) > 1
         worst = max(_rel(h, s) for h, s in zip(hzp["losses"], stock["losses"]))
         assert worst <= 1e-6, (case, rank, hzp["losses"], stock["losses"])
-        # Under SP DeepSpeed reduces gradients in seq_parallel_communication_data_type (fp32 by default) and counts
-        # world / sp data-parallel ranks in the batch.
-        assert hzp["comm_dtype"] == stock["comm_dtype"] == "torch.float32"
-        gas = next(c for c in CASES if c["name"] == case)["gas"]
-        assert hzp["train_batch_size"] == stock["train_batch_size"] == gas * WORLD // SP
     # The ranks of one SP group train on one sequence: they see the same loss; the two groups see different ones.
     assert results[0][f"{case}/hzp"]["losses"] == results[1][f"{case}/hzp"]["losses"]
     assert results[0][f"{case}/hzp"]["losses"] != results[2][f"{case}/hzp"]["losses"]
@@ -100,6 +95,7 @@ def test_resume_without_sp_from_a_universal_checkpoint(trained):
         for rank, result in enumerate(resumed):
             expected = results[rank * SP][f"{case['name']}/{arm}"]["losses_after"]
             got = result[arm]["losses"]
+            assert len(got) == len(expected) > 0, (arm, rank, got, expected)   # a shorter resume does not pass
             assert max(_rel(g, e) for g, e in zip(got, expected)) <= 1e-6, (arm, rank, got, expected)
     assert resumed[0]["hzp"]["optimizer"] == "HierarchicalZeroOptimizer"
 
