@@ -143,7 +143,8 @@ def test_a_dead_rank_fails_its_arm_and_the_finished_arm_stays_in_the_report(tmp_
         done = _run_ab("--config", str(EXAMPLES / "ds_config_zero3.json"), "--arms", "zero3,asynchzp",
                        "--steps", "3", "--out", str(out), "--", sys.executable, "-m", "torch.distributed.run",
                        "--nproc-per-node", "2", "--master-port", str(free_port()), "tests/_ab_faulty_train.py",
-                       "--deepspeed_config", "{config}", "--steps", "20", "--die-arm", "asynchzp")
+                       "--deepspeed_config", "{config}", "--steps", "20", "--die-arm", "asynchzp",
+                       "--marks", str(tmp_path / "marks" / "{arm}"))
     finally:
         for path in _workspaces() - before:
             path.unlink(missing_ok=True)  # the dead job's: its ranks never reached the recorder's clean-up
@@ -156,6 +157,25 @@ def test_a_dead_rank_fails_its_arm_and_the_finished_arm_stays_in_the_report(tmp_
     assert len(results["arms"]["zero3"]["losses"]) == 3
     report = (out / "report.md").read_text()
     assert "`asynchzp`: **failed**" in report and "| zero3 " in report
+    # The arm that finished ended the script as sys.exit(0) would: its finally blocks and exit handlers ran, in
+    # the folder the command named with {arm}, with the arm's name in the environment.
+    marks = sorted(p.name for p in (tmp_path / "marks" / "zero3").iterdir())
+    assert marks == ["rank0.atexit", "rank0.finally", "rank1.atexit", "rank1.finally"], marks
+    assert (tmp_path / "marks" / "zero3" / "rank1.atexit").read_text() == "zero3"
+    assert "note: whatever the script writes" not in done.stderr   # the command kept the arms apart
+
+
+def test_folders_shared_by_every_arm_are_warned_of_before_the_first(capsys):
+    command = ["deepspeed", "train.py", "--deepspeed_config", "{config}", "--output_dir", "out",
+               "--save_dir=ckpt/{arm}", "--logging-dir", "logs"]
+    assert ab.shared_output_folders(command) == ["--output_dir out", "--logging-dir logs"]
+    ab.warn_of_shared_folders(command)
+    err = capsys.readouterr().err
+    assert "warning" in err and "--output_dir out; --logging-dir logs" in err and "ckpt" not in err
+    ab.warn_of_shared_folders(["deepspeed", "train.py", "--deepspeed_config", "{config}"])
+    assert "note: whatever the script writes" in capsys.readouterr().err
+    ab.warn_of_shared_folders(["deepspeed", "train.py", "--deepspeed_config", "{config}", "--output_dir", "o/{arm}"])
+    assert capsys.readouterr().err == ""
 
 
 def _check_acceptance_run(out: Path, steps: int) -> dict:

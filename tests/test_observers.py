@@ -100,6 +100,7 @@ def test_the_installed_package_names_the_ab_recorder_and_ab_names_it_too(clean):
     clean.delenv(observers.ENVIRONMENT_VARIABLE, raising=False)
     names = dict(observers.observer_names())
     assert ab.RECORDER in names, f"the package's entry point is missing (reinstall it): {names}"
-    assert ab._arm_environment()[observers.ENVIRONMENT_VARIABLE] == ab.RECORDER
+    assert ab._arm_environment("asynchzp")[observers.ENVIRONMENT_VARIABLE] == ab.RECORDER
     clean.setenv(observers.ENVIRONMENT_VARIABLE, "x:y")
-    assert ab._arm_environment()[observers.ENVIRONMENT_VARIABLE] == "x:y," + ab.RECORDER
+    assert ab._arm_environment("asynchzp")[observers.ENVIRONMENT_VARIABLE] == "x:y," + ab.RECORDER
+    assert ab._arm_environment("asynchzp")[ab.ARM_VARIABLE] == "asynchzp"

@@ -4,9 +4,11 @@
         deepspeed --num_gpus 8 train.py --deepspeed_config {config}
 
 Per arm, in order: the arm's ds_config is written from the user's (`arms.arm_ds_config`, as the bench writes its
-own), with an ``"async_hzp_record"`` key; ``{config}`` in the command becomes its path; the command runs. Inside
-every rank the engine that ``ds_asynchzp.initialize`` or ``register()`` builds records each optimizer step and,
-after ``--steps`` of them, writes the rank's record and ends the job with exit 0 (`measure.recording`). The
+own), with an ``"async_hzp_record"`` key; ``{config}`` in the command becomes its path and ``{arm}`` the arm's
+name (also in ``$ASYNCHZP_AB_ARM``), so that each arm writes its outputs apart (output folders shared by every arm
+are warned of before the first); the command runs. Inside every rank the engine that ``ds_asynchzp.initialize`` or
+``register()`` builds records each optimizer step and, after ``--steps`` of them, writes the rank's record and ends
+the script as ``sys.exit(0)`` would (`measure.recording`). The
 records become the bench's results.json entries (`aggregate`), table (`table`) and report (`report`).
 
 Any launcher works that starts the script on every rank with the tool's environment and filesystem: ``deepspeed``,
@@ -42,6 +44,14 @@ from .offload import host_state_bytes
 PROG = "asynchzp-ab"
 DEFAULT_ARMS = "zero3,hpz,zeropp,asynchzp"
 PLACEHOLDER = "{config}"
+# In the command, the arm's name (as its log and record folders spell it), so that each arm writes its own outputs;
+# the arm's environment carries it too, for a script to read.
+ARM_PLACEHOLDER = "{arm}"
+ARM_VARIABLE = "ASYNCHZP_AB_ARM"
+# Flags by which launch commands commonly name where a script writes its outputs and checkpoints (HF Trainer,
+# TRL, Accelerate, the DeepSpeed examples); a value without {arm} is shared by all arms.
+OUTPUT_FLAGS = ("--output_dir", "--output-dir", "--save_dir", "--save-dir", "--checkpoint_dir", "--checkpoint-dir",
+                "--ckpt_dir", "--ckpt-dir", "--logging_dir", "--logging-dir", "--save", "--out_dir", "--out-dir")
 # The recorder every arm's ranks load (also the package's entry point of the same value, in pyproject.toml).
 RECORDER = "ds_asynchzp.measure.recording:observer"
 # Launcher flags that give the ranks per node, in the order they are looked for.
@@ -86,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds allowed per arm before its command is stopped (default: %(default)s)")
     parser.add_argument("--no-report", action="store_true", help="skip report.md and the plots")
     parser.add_argument("command", nargs=argparse.REMAINDER,
-                        help=f"after --: the launch command; {PLACEHOLDER} stands for the arm's ds_config path")
+                        help=f"after --: the launch command; {PLACEHOLDER} stands for the arm's ds_config path, "
+                             f"{ARM_PLACEHOLDER} for the arm's name (e.g. --output_dir out/{ARM_PLACEHOLDER})")
     return parser
 
 
@@ -98,6 +109,33 @@ def _flag_value(command: list[str], flags: tuple) -> str | None:
             if word.startswith(flag + "="):
                 return word.split("=", 1)[1]
     return None
+
+
+def shared_output_folders(command: list[str]) -> list[str]:
+    """The command's output and checkpoint folders (`OUTPUT_FLAGS`) that every arm would share."""
+    shared = []
+    for i, word in enumerate(command):
+        flag, _, value = word.partition("=")
+        if flag in OUTPUT_FLAGS:
+            value = value or (command[i + 1] if i + 1 < len(command) else "")
+            if value and ARM_PLACEHOLDER not in value:
+                shared.append(f"{flag} {value}")
+    return shared
+
+
+def warn_of_shared_folders(command: list[str]) -> None:
+    """Before the first arm: folders all arms write into (a later arm would overwrite an earlier one's checkpoints,
+    its `latest` tag, its outputs)."""
+    shared = shared_output_folders(command)
+    if shared:
+        print(f"{PROG}: warning: every arm runs the same command, so these folders are shared by all arms: "
+              f"{'; '.join(shared)}. A later arm overwrites an earlier one's outputs and checkpoints (and their "
+              f"'latest' tag), the user's own too. Put {ARM_PLACEHOLDER} in them (it becomes the arm's name), or read "
+              f"${ARM_VARIABLE} in the script.", file=sys.stderr, flush=True)
+    elif not any(ARM_PLACEHOLDER in word for word in command):
+        print(f"{PROG}: note: whatever the script writes (outputs, checkpoints) goes to the same place for every arm; "
+              f"{ARM_PLACEHOLDER} in the command, or ${ARM_VARIABLE} in the script, keeps the arms apart.",
+              file=sys.stderr, flush=True)
 
 
 def _is_cluster_command(command: list[str]) -> bool:
@@ -219,11 +257,11 @@ def _read_records(record_dir: Path) -> list:
     return records
 
 
-def _arm_environment() -> dict:
-    """The command's environment, naming the recorder among the runtime's observers (`runtime.observers`): for
-    ranks that inherit it; an installed package also names it by its entry point, for launchers that start ranks
-    without the caller's environment."""
-    env = dict(os.environ)
+def _arm_environment(arm: str) -> dict:
+    """The command's environment: the arm's name (`ARM_VARIABLE`), and the recorder among the runtime's observers
+    (`runtime.observers`), for ranks that inherit it; an installed package also names the recorder by its entry
+    point, for launchers that start ranks without the caller's environment."""
+    env = dict(os.environ, **{ARM_VARIABLE: arm})
     names = [n for n in env.get(ENVIRONMENT_VARIABLE, "").split(",") if n.strip()]
     if RECORDER not in names:
         env[ENVIRONMENT_VARIABLE] = ",".join(names + [RECORDER])
@@ -243,14 +281,15 @@ def run_arm(args: argparse.Namespace, spec, label: str) -> tuple[list, dict]:
     config = arm_config(args, spec, record_dir, launched_at)
     config_path = out / "configs" / f"{name}.json"
     write_json_atomically(config_path, config)
-    command = [word.replace(PLACEHOLDER, str(config_path.resolve())) for word in args.command]
+    command = [word.replace(PLACEHOLDER, str(config_path.resolve())).replace(ARM_PLACEHOLDER, name)
+               for word in args.command]
     provenance = {"command": shlex.join(command), "ds_config": str(config_path), "log": str(log),
                   "arm_keys": changed_keys(args.shared_config, config)}
     print(f"{label}: {shlex.join(command)}", flush=True)
     started = time.monotonic()
     try:
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                errors="replace", start_new_session=True, env=_arm_environment())
+                                errors="replace", start_new_session=True, env=_arm_environment(name))
     except OSError as exc:
         raise ArmFailure(f"arm {spec.name}: cannot run the launch command {command[0]!r}: {exc}") from None
     progress: list = []
@@ -341,6 +380,7 @@ def run_ab(args: argparse.Namespace) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {"config": run_config(args), "env": environment(), "arms": {}, "runs": {}, "failed_arms": {}}
+    warn_of_shared_folders(args.command)
     for index, spec in enumerate(args.specs, 1):
         label = f"[{index}/{len(args.specs)}] {spec.name}"
         try:

@@ -12,7 +12,8 @@ variable ``DS_ASYNCHZP_OBSERVERS`` (`runtime.observers`), so that `ds_asynchzp.i
   does: the losses handed to ``backward``, the time from the step's first forward to its optimizer step (the
   device synchronised), the ledger's bytes;
 * after the last recorded step, every rank writes ``<out>/rank<N>.json``, waits for the others, shuts the engine
-  and the process groups down and exits 0: the script need not know it is being measured.
+  down and ends the script as ``sys.exit(0)`` would (`end_script`): its ``finally`` blocks and exit handlers run,
+  the code after its training loop does not. The script need not know it is being measured.
 
 The key is the tool's; DeepSpeed ignores top-level keys it does not know, so a stock arm's config is otherwise
 the user's own.
@@ -20,8 +21,10 @@ the user's own.
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -33,6 +36,8 @@ from .step_recorder import StepRecorder
 
 RECORD_KEY = "async_hzp_record"
 PROGRESS_MARK = "asynchzp-ab-step"
+# Seconds a script may take to end after its arm's last recorded step before the process is ended for it.
+EXIT_GRACE_S = 60.0
 ZEROPP_QUANTIZER_KEYS = ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients")
 
 
@@ -130,24 +135,29 @@ class EngineRecording:
                                      read_link_counter=settings.read_link_counter, barrier=ds_comm.barrier)
         self._losses: list = []
         self._boundary = False
+        self._finished = False
+        # Registered before the script's own handlers that follow, so it runs after them.
+        atexit.register(_teardown)
         watch_engine(engine, self)
 
     def forward_begun(self, engine) -> None:
         import torch
 
         # A forward with gradients opens an optimizer step; evaluation forwards (no grad) do not.
-        if not self.recorder.in_step and torch.is_grad_enabled():
+        if not self.recorder.in_step and torch.is_grad_enabled() and not self._finished:
             self.recorder.begin_step()
         ledger.set_phase("forward")
 
     def backward_begun(self, engine, loss) -> None:
+        if self._finished:
+            return
         if not self.recorder.in_step:
             self.recorder.begin_step()
         self._losses.append(loss.detach())
         ledger.set_phase("backward")
 
     def step_begun(self, engine) -> None:
-        self._boundary = engine.is_gradient_accumulation_boundary()
+        self._boundary = engine.is_gradient_accumulation_boundary() and not self._finished
         if self._boundary:
             self.recorder.before_last_step()
         ledger.set_phase("step")
@@ -159,7 +169,7 @@ class EngineRecording:
 
     def step_ended(self, engine) -> None:
         ledger.set_phase("")
-        if self._boundary and self.recorder.in_step:
+        if self._boundary and self.recorder.in_step and not self._finished:
             self._end_step()
 
     def _end_step(self) -> None:
@@ -178,10 +188,11 @@ class EngineRecording:
             self._finish()
 
     def _finish(self) -> None:
-        """Write this rank's record, wait for every rank's, shut down, exit 0 (the script's remaining code is not
-        run: the arm has what it came for)."""
-        import torch
-
+        """Write this rank's record, wait for every rank's, shut the engine down, and end the script as a normal
+        exit would (`end_script`): the arm has what it came for."""
+        if self._finished:
+            return
+        self._finished = True
         record = self.recorder.finish(self.ds_config)
         record.update({"arm": self.settings.arm, "startup_s": self.startup})
         os.makedirs(self.settings.out_dir, exist_ok=True)
@@ -190,23 +201,49 @@ class EngineRecording:
         self._barrier()
         destroy = getattr(self.engine, "destroy", None)
         if destroy is not None:
-            destroy()
+            destroy()   # the package's threads and peer monitor stop before any rank leaves
         if self.rank == 0:
             print(f"[ds_asynchzp] asynchzp-ab: arm {self.settings.arm}: {self.settings.steps} optimizer steps "
                   f"recorded in {self.settings.out_dir}; ending the job", flush=True)
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-        if os.environ.get("LOCAL_RANK") == "0" and os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
-            # DeepSpeed's CPU communication op leaves a shared-memory workspace per rank (66 MiB of RAM each) that
-            # nothing removes once the job is ended here; every rank has passed the barrier, so none is in use.
-            from ..platform.deepspeed_internals import cpu_comm_workspaces
+        end_script(self.settings.arm)
 
-            for path in cpu_comm_workspaces(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])):
-                path.unlink(missing_ok=True)
+
+def _teardown() -> None:
+    """At interpreter exit, after the script's own exit handlers (registered later, run earlier): the process
+    group, and the shared-memory workspace DeepSpeed's CPU communication op leaves per rank (66 MiB of RAM each),
+    which nothing else removes once the job is ended here; every rank has passed the last barrier."""
+    import torch
+
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    if os.environ.get("LOCAL_RANK") == "0" and os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
+        from ..platform.deepspeed_internals import cpu_comm_workspaces
+
+        for path in cpu_comm_workspaces(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])):
+            path.unlink(missing_ok=True)
+
+
+def end_script(arm: str, grace_s: float = EXIT_GRACE_S) -> None:
+    """End the user's script after its last recorded step as `sys.exit(0)` would: `SystemExit` unwinds it, so its
+    `finally` blocks and `with` exits run, then its `atexit` handlers, then `_teardown`; code after the training
+    loop does not run. Where the script does not end (it caught `SystemExit`, or a thread it did not make a daemon
+    keeps it alive), a daemon thread ends the process after `grace_s` and says what that cut off."""
+
+    def cut_off() -> None:
+        time.sleep(grace_s)
+        alive = [t.name for t in threading.enumerate() if t is not threading.current_thread() and not t.daemon
+                 and t is not threading.main_thread()]
+        print(f"[ds_asynchzp] asynchzp-ab: arm {arm}: the script was still running {grace_s:g} s after its last "
+              "recorded step (it caught SystemExit, or threads kept it alive: "
+              f"{', '.join(alive) or 'none besides the main thread'}); ending the process now, without the rest of "
+              "its code or its exit handlers", file=sys.stderr, flush=True)
         sys.stdout.flush()
-        sys.stderr.flush()
-        # Not SystemExit: a script (or a framework) may catch that and go on training. The record is on disk.
         os._exit(0)
+
+    threading.Thread(target=cut_off, name="asynchzp-ab-exit", daemon=True).start()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    raise SystemExit(0)
 
 
 class ArmRecorder:
