@@ -77,6 +77,7 @@ class HierarchicalZeroOptimizer(ShardAdoption, MicroStepHooks, AccumulationWindo
         if layout is None:
             raise RuntimeError("HierarchicalZeroOptimizer needs a resolved layout; build it with optimizer_class_for()")
         dp_handle = kwargs.get("dp_process_group") or ds_comm.get_world_group()
+        sizes, scheduling = layout.sizes, layout.scheduling
         self.hzp_grid = layout.grid()
         # Families are classified (and foreign partition groups refused) before Stage 3 partitions anything; every
         # group exists before Stage 3's constructor runs: it calls the hooks below, which need them.
@@ -92,10 +93,10 @@ class HierarchicalZeroOptimizer(ShardAdoption, MicroStepHooks, AccumulationWindo
         self.hzp_offload: Optional[HostOffload] = None
         super().__init__(module, init_optimizer, *args, **kwargs)
         check_stage3_instance(self)
-        if self.offload_optimizer and layout.optimizer_shard_size < layout.world_size:
+        if self.offload_optimizer and sizes.optimizer_shard_size < sizes.world_size:
             self._hzp_warn_once("offload_replicas", (
-                f"offload_optimizer with async_hzp.optimizer_shard_size {layout.optimizer_shard_size} < world "
-                f"{layout.world_size}: each of the {layout.world_size // layout.optimizer_shard_size} optimizer "
+                f"offload_optimizer with async_hzp.optimizer_shard_size {sizes.optimizer_shard_size} < world "
+                f"{sizes.world_size}: each of the {sizes.world_size // sizes.optimizer_shard_size} optimizer "
                 "replicas holds and steps its states on its own host, so host memory and the host step's time "
                 "per rank are that many times stock's; leave optimizer_shard_size unset (the world) to avoid it"))
         if self.gradient_predivide_factor != 1.0 or not self.postscale_gradients:
@@ -114,9 +115,9 @@ class HierarchicalZeroOptimizer(ShardAdoption, MicroStepHooks, AccumulationWindo
         warm_up_groups(self._hzp_created_groups, device)
         # Nothing gathered ahead (no replay, no coordinator prefetch): each gather is waited for as soon as it is
         # asked for, so it runs on the training thread, as with async_comm false.
-        self.hzp_comm = CommContext(layout.async_comm, layout.comm_timeout_s, device, ds_comm.get_rank(),
-                                    ds_comm.get_world_size(), layout.issue_order,
-                                    flows_waited_at_once(layout.prefetch_depth, stage3_prefetches(self)),
+        self.hzp_comm = CommContext(scheduling.async_comm, scheduling.comm_timeout_s, device, ds_comm.get_rank(),
+                                    ds_comm.get_world_size(), scheduling.issue_order,
+                                    flows_waited_at_once(scheduling.prefetch_depth, stage3_prefetches(self)),
                                     host_copies=bool(self.offload_optimizer))
         if self.offload_optimizer:
             self.hzp_offload = HostOffload(self, lambda ds_id: self._hzp_placement_of[ds_id],
@@ -128,7 +129,7 @@ class HierarchicalZeroOptimizer(ShardAdoption, MicroStepHooks, AccumulationWindo
         self.hzp_gather = ParamGather(
             [GatherSource(p.shards, p.groups.param_shard, p.quantization.param_gather, p.boundary.refresh_waits,
                           p.family.tag) for p in self.hzp_placements],
-            self.hzp_comm.gather, self.hzp_pool, layout.prefetch_depth)
+            self.hzp_comm.gather, self.hzp_pool, scheduling.prefetch_depth)
         for placement in self.hzp_placements:
             placement.boundary.refresh_params(placement.shards.buffers, exact=True)
             for param in placement.shards.params:
@@ -153,7 +154,7 @@ class HierarchicalZeroOptimizer(ShardAdoption, MicroStepHooks, AccumulationWindo
         for ranks in family.every_group:
             handle = family.partition_handle if ranks == family.dp_ranks else None
             groups = build_process_groups(family.layout, list(ranks), handle, family.group_prefix,
-                                          layout.comm_timeout_s, self._hzp_created_groups)
+                                          layout.scheduling.comm_timeout_s, self._hzp_created_groups)
             if groups.member:
                 mine = groups
             else:
@@ -168,12 +169,12 @@ class HierarchicalZeroOptimizer(ShardAdoption, MicroStepHooks, AccumulationWindo
                                                      device)
         copier = (self.hzp_offload.copier(placement)
                   if self.hzp_offload is not None and placement.grads is not None else None)
-        placement.boundary = StepBoundary(placement.groups, layout.boundary_bucket_size, self.reduce_bucket_size,
+        placement.boundary = StepBoundary(placement.groups, layout.scheduling.boundary_bucket_size, self.reduce_bucket_size,
                                           self.hzp_comm.boundary, plan, placement.error_feedback,
                                           placement.family.tag, after_sum=copier)
         if placement.grads is not None:
             # Gradients are averaged over the whole data-parallel world, experts too (as DeepSpeed does).
-            placement.reduce = GradReduce(placement.grads, placement.groups.grad_shard, layout.world_size,
+            placement.reduce = GradReduce(placement.grads, placement.groups.grad_shard, layout.sizes.world_size,
                                           self.reduce_scatter, self.hzp_comm.reduce, plan.grad_reduce_scatter,
                                           placement.family.tag, self._hzp_param_names,
                                           placement.groups.bucket_check)
