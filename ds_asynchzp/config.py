@@ -41,7 +41,6 @@ import difflib
 import json
 import os
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
@@ -50,14 +49,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .formulas import sizing
 from .config_compat import autoep_size, compat_issues, expert_issues, offloads_optimizer
 from .errors import AsyncHZPConfigError, ConfigIssue
-from .layout import HierarchicalLayout
-from .quantization import QuantizationPlan, plan_quantization
+from .resolved_layout import (DEFAULT_PREFETCH_DEPTH, LayoutSizes, QuantizationSettings, ResolvedLayout,
+                              Scheduling)
 
 
 SECTION = "async_hzp"
 _PositiveInt = Annotated[int, Field(ge=1)]
-# Gathers replayed ahead of compute while DeepSpeed's own prefetch is on (`resolve_prefetch_depth`).
-DEFAULT_PREFETCH_DEPTH = 2
 _ShardSize = Optional[Union[_PositiveInt, Literal["auto"]]]
 
 
@@ -265,97 +262,6 @@ def section_from_ds_config(ds_config: dict | str | os.PathLike) -> AsyncHZPConfi
     except ValidationError as e:
         raise AsyncHZPConfigError(_issues_from_validation(e)) from None
     return section if section.enabled else None
-
-
-@dataclass(frozen=True)
-class ResolvedLayout:
-    """Concrete group sizes for one run; every size is a positive integer.
-
-    ``auto_reason`` is set when ``"auto"`` chose any size: which layouts were considered, the winner's memory
-    against the budget and its estimated communication time against the runner-up's.
-    """
-
-    world_size: int
-    node_size: int
-    num_nodes: int
-    param_shard_size: int
-    grad_shard_size: int
-    optimizer_shard_size: int
-    log_layout: bool = True
-    auto_reason: Optional[str] = None
-    # How the layout's collectives are scheduled (the async_hzp keys of the same names).
-    async_comm: bool = True
-    prefetch_depth: int = DEFAULT_PREFETCH_DEPTH
-    boundary_bucket_size: Optional[int] = None
-    comm_timeout_s: float = 300.0
-    issue_order: str = "auto"
-    # Quantized communication (the async_hzp keys of the same names; `quantization_plan()` says which flows).
-    quantized_weights: bool = False
-    quantized_gradients: bool = False
-    quantize_cross_node: bool = False
-    gradient_quantization_bits: int = 8
-    quantization_block_size: int = 512
-    error_feedback: bool = False
-    # False for an engine built without an optimizer (a frozen reference model, a teacher, evaluation): it gets
-    # stock ZeRO-3's parameter-only engine with its parameters sharded over d_p inside the node (runtime/api.py).
-    has_optimizer: bool = True
-    # Ulysses sequence parallelism's degree (ALST's mpu): SP groups of consecutive ranks inside the ZeRO world.
-    sequence_parallel_size: int = 1
-
-    def grid(self) -> HierarchicalLayout:
-        return HierarchicalLayout(self.world_size, self.node_size, self.param_shard_size, self.grad_shard_size,
-                                  self.optimizer_shard_size)
-
-    def quantization_plan(self, grid: Optional[HierarchicalLayout] = None) -> QuantizationPlan:
-        """Which flows of this layout (or of `grid`, another family's layout under the same keys) travel
-        quantized, in which format (`ds_asynchzp.quantization`)."""
-        return plan_quantization(grid or self.grid(), self.quantized_weights, self.quantized_gradients,
-                                 self.quantize_cross_node, self.gradient_quantization_bits,
-                                 self.quantization_block_size, self.error_feedback)
-
-    def as_dict(self) -> dict:
-        """The layout as JSON-ready values (what the benchmark records per arm in results.json)."""
-        w = self.world_size
-        return {"world_size": w, "node_size": self.node_size, "num_nodes": self.num_nodes,
-                "param_shard_size": self.param_shard_size, "grad_shard_size": self.grad_shard_size,
-                "optimizer_shard_size": self.optimizer_shard_size,
-                "param_replicas": w // self.param_shard_size, "grad_replicas": w // self.grad_shard_size,
-                "optimizer_replicas": w // self.optimizer_shard_size, "auto_reason": self.auto_reason,
-                "async_comm": self.async_comm, "prefetch_depth": self.prefetch_depth,
-                "quantized_weights": self.quantized_weights, "quantized_gradients": self.quantized_gradients,
-                "quantize_cross_node": self.quantize_cross_node,
-                "gradient_quantization_bits": self.gradient_quantization_bits,
-                "quantization_block_size": self.quantization_block_size, "error_feedback": self.error_feedback,
-                "quantization": self.quantization_plan().describe(),
-                "sequence_parallel_size": self.sequence_parallel_size}
-
-    def describe(self) -> str:
-        """One line for rank 0's log: every size with its replica count, and why "auto" chose it."""
-        w = self.world_size
-        if not self.has_optimizer:   # runtime/api.py adds where the parameters go
-            return (f"async_hzp layout: world={w} ({self.num_nodes} node(s) x {self.node_size} ranks); no optimizer: "
-                    "DeepSpeed's parameter-only ZeRO-3 engine")
-        text = (
-            f"async_hzp layout: world={w} ({self.num_nodes} node(s) x {self.node_size} ranks); "
-            f"params sharded over d_p={self.param_shard_size} ({_replicas(w // self.param_shard_size)}), "
-            f"grads over d_g={self.grad_shard_size} ({_replicas(w // self.grad_shard_size)}), "
-            f"optimizer states over d_o={self.optimizer_shard_size} ({_replicas(w // self.optimizer_shard_size)}); "
-            + (f"communication on background threads (prefetch depth {self.prefetch_depth})" if self.async_comm
-               else "communication synchronous (async_comm false)")
-        )
-        plan = self.quantization_plan()
-        if plan.any:
-            text = f"{text}; {plan.describe()}"
-        if self.sequence_parallel_size > 1:
-            sp = self.sequence_parallel_size
-            where = ("inside a node" if self.node_size % sp == 0 else
-                     f"across nodes ({sp} does not divide the node size {self.node_size})")
-            text = f"{text}; Ulysses sequence parallelism sp={sp}: its all-to-alls run {where}"
-        return f"{text}; {self.auto_reason}" if self.auto_reason else text
-
-
-def _replicas(n: int) -> str:
-    return f"{n} replica" + ("" if n == 1 else "s")
 
 
 def _fmt(values: list[int]) -> str:
@@ -618,16 +524,16 @@ def resolve_layout(
         raise AsyncHZPConfigError(issues)
 
     # Logged by the engine once its process groups exist (rank 0 only).
-    return ResolvedLayout(world, node, world // node, d_p, d_g, d_o, log_layout=section.log_layout,
-                          auto_reason=reason, async_comm=section.async_comm,
-                          prefetch_depth=resolve_prefetch_depth(section, ds_config),
-                          boundary_bucket_size=section.boundary_bucket_size, comm_timeout_s=section.comm_timeout_s,
-                          issue_order=section.issue_order,
-                          quantized_weights=section.quantized_weights,
-                          quantized_gradients=section.quantized_gradients,
-                          quantize_cross_node=section.quantize_cross_node,
-                          gradient_quantization_bits=section.gradient_quantization_bits,
-                          quantization_block_size=section.quantization_block_size,
-                          error_feedback=section.error_feedback,
-                          has_optimizer=bool(ds_config.get("optimizer")) or has_client_optimizer,
-                          sequence_parallel_size=sequence_parallel_size)
+    return ResolvedLayout(
+        LayoutSizes(world, node, d_p, d_g, d_o),
+        Scheduling(async_comm=section.async_comm, prefetch_depth=resolve_prefetch_depth(section, ds_config),
+                   boundary_bucket_size=section.boundary_bucket_size, comm_timeout_s=section.comm_timeout_s,
+                   issue_order=section.issue_order),
+        QuantizationSettings(quantized_weights=section.quantized_weights,
+                             quantized_gradients=section.quantized_gradients,
+                             quantize_cross_node=section.quantize_cross_node,
+                             gradient_quantization_bits=section.gradient_quantization_bits,
+                             quantization_block_size=section.quantization_block_size,
+                             error_feedback=section.error_feedback),
+        has_optimizer=bool(ds_config.get("optimizer")) or has_client_optimizer,
+        sequence_parallel_size=sequence_parallel_size, log_layout=section.log_layout, auto_reason=reason)

@@ -390,7 +390,7 @@ def train_case(case: dict) -> dict:
         "elements": _element_counts(engine.module, world),
         # AsyncHZP pads each parameter to a multiple of its optimizer group, not of the world.
         "elements_by_optimizer_group": _element_counts(
-            engine.module, engine.optimizer.hzp_layout.optimizer_shard_size)
+            engine.module, engine.optimizer.hzp_layout.sizes.optimizer_shard_size)
         if hasattr(engine.optimizer, "hzp_layout") else None,
         "families": _families(engine),
         "grad_norm": float(engine.get_global_grad_norm()),
@@ -401,7 +401,7 @@ def train_case(case: dict) -> dict:
         "steady_per_step": steady_per_step,
         "comm_delay": case.get("comm_delay", ""),
         "hazard_case": bool(case.get("hazard_case")),
-        "layout": (engine.optimizer.hzp_layout.__dict__ if hasattr(engine.optimizer, "hzp_layout") else None),
+        "layout": (engine.optimizer.hzp_layout.as_dict() if hasattr(engine.optimizer, "hzp_layout") else None),
         "error_feedback_norm": _error_feedback_norm(engine),
         "resumed_error_feedback": resumed_feedback,
     }

@@ -76,8 +76,8 @@ def test_asynchzp_replay_follows_deepspeeds_prefetch_switch(preset, depth):
     from ds_asynchzp.config import resolve_layout
 
     args = cli.parse_args(["--zero3-knobs", preset, "--arms", "asynchzp,asynchzp:prefetch_depth=1"])
-    assert resolve_layout(cli.ds_config_for("asynchzp", args), 4, 2).prefetch_depth == depth
-    assert resolve_layout(cli.ds_config_for("asynchzp:prefetch_depth=1", args), 4, 2).prefetch_depth == 1
+    assert resolve_layout(cli.ds_config_for("asynchzp", args), 4, 2).scheduling.prefetch_depth == depth
+    assert resolve_layout(cli.ds_config_for("asynchzp:prefetch_depth=1", args), 4, 2).scheduling.prefetch_depth == 1
 
 
 def test_defaults_and_arm_configs_share_the_zero3_knobs():

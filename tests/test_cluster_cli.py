@@ -110,7 +110,8 @@ def test_link_bytes_per_step_match_the_prediction(deepspeed_run, torchrun_run, c
         assert links["0"]["tx"] == links["1"]["rx"] and links["1"]["tx"] == links["0"]["rx"], links
     measured = (long_ - short) / (LONG_STEPS - SHORT_STEPS)
     layout = resolve_layout(CONFIG, world_size=4, local_world_size=2)
-    d_p, d_g, d_o = layout.param_shard_size, layout.grad_shard_size, layout.optimizer_shard_size
+    sizes = layout.sizes
+    d_p, d_g, d_o = sizes.param_shard_size, sizes.grad_shard_size, sizes.optimizer_shard_size
     elements = planner.bench_element_counts({"model": "tiny", "nproc": 4}, multiple=d_o)  # train.py's model
     inputs = traffic.TrafficInputs(world=4, node_size=2, grad_accum=json.loads(CONFIG.read_text())[
         "gradient_accumulation_steps"], gathered_elements=elements["gathered"], reduced_elements=elements["reduced"],

@@ -22,6 +22,7 @@ from ds_asynchzp.config import (
     resolve_layout,
     section_from_ds_config,
 )
+from ds_asynchzp.resolved_layout import LayoutSizes, Scheduling
 
 GIB = sizing.BYTES_PER_GB
 PSI = 1_000_000_000  # divisible by every world size used below, i.e. already "padded"
@@ -197,7 +198,7 @@ def test_an_unsharded_optimizer_is_refused_by_name():
     with pytest.raises(AsyncHZPConfigError, match=r"optimizer_shard_size.*is 1.*one of 2, 4, 8"):
         resolve_layout(make({"param_shard_size": 1, "grad_shard_size": 1, "optimizer_shard_size": 1}), 8, 4)
     assert resolve_layout(make({"param_shard_size": 1, "grad_shard_size": 1, "optimizer_shard_size": 1}), 1,
-                          1).optimizer_shard_size == 1   # one rank: nothing to shard
+                          1).sizes.optimizer_shard_size == 1   # one rank: nothing to shard
 
 
 def test_messages_suggest_valid_values():
@@ -226,8 +227,8 @@ def test_disagreeing_environment_is_settled_by_the_config(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     monkeypatch.setenv("LOCAL_SIZE", "4")
     with pytest.warns(RuntimeWarning, match=r"LOCAL_WORLD_SIZE=1, LOCAL_SIZE=4.*set async_hzp.node_size"):
-        assert resolve_layout(make(), 8, None).node_size == 1
-    assert resolve_layout(make({"node_size": 4}), 8, None).node_size == 4   # names one of them: accepted
+        assert resolve_layout(make(), 8, None).sizes.node_size == 1
+    assert resolve_layout(make({"node_size": 4}), 8, None).sizes.node_size == 4   # names one of them: accepted
     with pytest.raises(AsyncHZPConfigError, match=r"LOCAL_WORLD_SIZE=1, LOCAL_SIZE=4"):
         resolve_layout(make({"node_size": 2}), 8, None)
 
@@ -242,9 +243,9 @@ def test_node_size_mismatch_names_both_values_and_the_fix(monkeypatch):
     with pytest.raises(AsyncHZPConfigError, match=r"is 4, but the launcher reports 2 .*local_world_size=2"):
         resolve_layout(make({"node_size": 4}), 16, 2)
     # Agreement (and no environment at all) is fine.
-    assert resolve_layout(make({"node_size": 8}), 16, 8).node_size == 8
+    assert resolve_layout(make({"node_size": 8}), 16, 8).sizes.node_size == 8
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    assert resolve_layout(make({"node_size": 4}), 16, None).node_size == 4
+    assert resolve_layout(make({"node_size": 4}), 16, None).sizes.node_size == 4
 
 
 def test_supported_neighbours_of_rejected_keys_pass():
@@ -253,7 +254,7 @@ def test_supported_neighbours_of_rejected_keys_pass():
                      "offload_optimizer": {"device": "none", "super_offload": False}},
                tensor_parallel={"autotp_size": 1}, expert_parallel={"enabled": False}, compile={"deepcompile": False})
     layout = resolve_layout(cfg, 8, 4)
-    assert (layout.param_shard_size, layout.grad_shard_size, layout.optimizer_shard_size) == (4, 4, 8)
+    assert (layout.sizes.param_shard_size, layout.sizes.grad_shard_size, layout.sizes.optimizer_shard_size) == (4, 4, 8)
 
 
 # ---------------------------------------------------------------- good layouts
@@ -330,9 +331,9 @@ def test_good_config_resolves(monkeypatch, cfg, world, local, env, kwargs, expec
         monkeypatch.setenv(var, value)
     layout = resolve_layout(cfg, world, local, **kwargs)
     assert isinstance(layout, ResolvedLayout)
-    assert (layout.param_shard_size, layout.grad_shard_size, layout.optimizer_shard_size) == expected
-    assert layout.world_size == world
-    assert layout.num_nodes * layout.node_size == world
+    assert (layout.sizes.param_shard_size, layout.sizes.grad_shard_size, layout.sizes.optimizer_shard_size) == expected
+    assert layout.sizes.world_size == world
+    assert layout.sizes.num_nodes * layout.sizes.node_size == world
     assert (layout.auto_reason is not None) == ("auto" in json.dumps(cfg["async_hzp"]))
     assert not dist.is_initialized()
 
@@ -349,8 +350,8 @@ def test_prefetch_depth_follows_deepspeeds_prefetch_switch_by_either_name(zero, 
 def test_scheduling_keys_resolve_and_bad_values_name_the_key():
     layout = resolve_layout(make({"async_comm": False, "prefetch_depth": 0, "boundary_bucket_size": 1000,
                                   "comm_timeout_s": 30}), 8, 4)
-    assert (layout.async_comm, layout.prefetch_depth, layout.boundary_bucket_size, layout.comm_timeout_s) == \
-        (False, 0, 1000, 30.0)
+    assert layout.scheduling == Scheduling(async_comm=False, prefetch_depth=0, boundary_bucket_size=1000,
+                                           comm_timeout_s=30.0)
     assert "communication synchronous" in layout.describe()
     for key, value in (("async_comm", "yes"), ("prefetch_depth", -1), ("boundary_bucket_size", 0),
                        ("comm_timeout_s", 0)):
@@ -388,8 +389,8 @@ def test_bad_quantization_keys_are_named(section, key):
 
 def test_layout_fields_description_and_dict():
     layout = resolve_layout(make(), 8, 4)
-    assert layout == ResolvedLayout(world_size=8, node_size=4, num_nodes=2, param_shard_size=4, grad_shard_size=4,
-                                    optimizer_shard_size=8)
+    assert layout == ResolvedLayout(LayoutSizes(world_size=8, node_size=4, param_shard_size=4, grad_shard_size=4,
+                                                optimizer_shard_size=8))
     assert layout.auto_reason is None
     text = layout.describe()
     assert "\n" not in text and "world=8" in text and "2 node(s) x 4 ranks" in text
@@ -413,7 +414,7 @@ def test_auto_reason_names_the_numbers_and_reaches_describe():
                bf16={"enabled": True})
     layout = resolve_layout(cfg, 8, 4, num_parameters=PSI)
     # 3 GiB: (4,4,8) needs 2.5e9 bytes and 0.065 s; the runner-up (2,4,8) 3.0e9 bytes and 0.075 s.
-    assert (layout.param_shard_size, layout.grad_shard_size, layout.optimizer_shard_size) == (4, 4, 8)
+    assert (layout.sizes.param_shard_size, layout.sizes.grad_shard_size, layout.sizes.optimizer_shard_size) == (4, 4, 8)
     reason = layout.auto_reason
     assert "d_p=4, d_g=4, d_o=8" in reason and "of 18 valid layouts (4 fit the budget)" in reason
     assert "2.33 GiB per rank (budget 3.00 GiB)" in reason
@@ -502,7 +503,7 @@ def test_json_path_input(tmp_path):
     assert section_from_ds_config(str(path)).param_shard_size == 2
     assert section_from_ds_config(path).param_shard_size == 2
     layout = resolve_layout(str(path), 8, 4)
-    assert (layout.param_shard_size, layout.grad_shard_size, layout.optimizer_shard_size) == (2, 2, 8)
+    assert (layout.sizes.param_shard_size, layout.sizes.grad_shard_size, layout.sizes.optimizer_shard_size) == (2, 2, 8)
 
 
 def test_invalid_json_file(tmp_path):
@@ -607,9 +608,9 @@ def test_auto_accounts_for_the_parameter_and_accumulation_dtypes():
     fp32 = resolve_layout(make(hzp), 8, 4, num_parameters=PSI)
     fp32_accum = resolve_layout(make(hzp, bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"}), 8, 4,
                                 num_parameters=PSI)
-    assert (bf16.param_shard_size, bf16.grad_shard_size, bf16.optimizer_shard_size) == (1, 4, 4)
+    assert (bf16.sizes.param_shard_size, bf16.sizes.grad_shard_size, bf16.sizes.optimizer_shard_size) == (1, 4, 4)
     for other, b, a in ((fp32, 4, 4), (fp32_accum, 2, 4)):
-        chosen = (other.param_shard_size, other.grad_shard_size, other.optimizer_shard_size)
+        chosen = (other.sizes.param_shard_size, other.sizes.grad_shard_size, other.sizes.optimizer_shard_size)
         assert chosen != (1, 4, 4)
         assert sizing.model_state_bytes_per_rank(PSI, 8, *chosen, param_bytes=b, grad_accum_bytes=a)["total"] \
             <= 5.2 * GIB

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from ds_asynchzp.config import resolve_layout, section_from_ds_config
+from ds_asynchzp.resolved_layout import LayoutSizes
 from tests.cluster_harness import launch_deepspeed
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -44,8 +45,9 @@ def test_only_the_asynchzp_config_enables_asynchzp():
 
 def test_asynchzp_config_resolves_two_ranks_per_param_shard():
     layout = resolve_layout(EXAMPLES / "ds_config_asynchzp.json", world_size=4, local_world_size=4)
-    assert layout.node_size == 4 and layout.num_nodes == 1
-    assert layout.param_shard_size == 2 and layout.grad_shard_size == 2 and layout.optimizer_shard_size == 4
+    assert layout.sizes.node_size == 4 and layout.sizes.num_nodes == 1
+    assert layout.sizes == LayoutSizes(world_size=4, node_size=4, param_shard_size=2, grad_shard_size=2,
+                                       optimizer_shard_size=4)
 
 
 @pytest.fixture(scope="module")

@@ -171,10 +171,10 @@ def test_autoep_needs_the_world_as_optimizer_group():
     with pytest.raises(AsyncHZPConfigError, match=r"async_hzp\.optimizer_shard_size.*is 2, fewer than the world"):
         resolve_layout(_autoep_config(2, node_size=2, optimizer_shard_size=2), 4, 2)
     # Unset, it is the world; "auto" picks the world too, whatever the budget would prefer.
-    assert resolve_layout(_autoep_config(2, node_size=2), 4, 2).optimizer_shard_size == 4
+    assert resolve_layout(_autoep_config(2, node_size=2), 4, 2).sizes.optimizer_shard_size == 4
     auto = resolve_layout(_autoep_config(2, node_size=2, param_shard_size="auto", optimizer_shard_size="auto",
                                          memory_budget_gb=1000.0), 8, 2, num_parameters=10**6)
-    assert auto.optimizer_shard_size == 8
+    assert auto.sizes.optimizer_shard_size == 8
 
 
 @pytest.mark.parametrize("world,node,ep,ok", [(8, 4, 2, True), (8, 4, 4, True), (16, 4, 8, True), (12, 4, 6, True),
@@ -186,7 +186,7 @@ def test_autoep_size_must_give_every_node_the_same_expert_group_count(world, nod
 
     config = _autoep_config(ep, node_size=node)
     if ok:
-        assert resolve_layout(config, world, node).world_size == world
+        assert resolve_layout(config, world, node).sizes.world_size == world
         check(MoeInputs(10, ep), 100, world, node)
         return
     with pytest.raises(AsyncHZPConfigError, match=r"expert_parallel\.autoep_size.*different numbers of ranks"):

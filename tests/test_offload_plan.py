@@ -179,9 +179,10 @@ def test_resolve_layout_with_offload_keeps_gradients_in_the_node():
     GiB); with the optimizer on the host the device keeps b·Ψ/d_p + a·Ψ/d_g (8, 8: 32.6 GiB; 4, 4: 65.2 GiB), so
     node-local gradient shards fit and win."""
     plain = resolve_layout(_ds_config(False, 76), WORLD, NODE, num_parameters=PSI)
-    assert plain.grad_shard_size == 16 and "offload" not in plain.auto_reason
+    assert plain.sizes.grad_shard_size == 16 and "offload" not in plain.auto_reason
     offloaded = resolve_layout(_ds_config(True, 76), WORLD, NODE, num_parameters=PSI)
-    chosen = (offloaded.param_shard_size, offloaded.grad_shard_size, offloaded.optimizer_shard_size)
+    sizes = offloaded.sizes
+    chosen = (sizes.param_shard_size, sizes.grad_shard_size, sizes.optimizer_shard_size)
     assert chosen[1] <= NODE and NODE % chosen[1] == 0
     assert sizing.placement_bytes_per_rank(PSI, WORLD, *chosen, offload_optimizer=True)["device"]["total"] <= 76 * GIB
     # resolve_layout hands choose_layout the ds_config's offload, and nothing else changes.

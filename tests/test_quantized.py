@@ -73,7 +73,8 @@ def _predicted(results, case, section, gas=2, param_bytes=4):
     t = TrafficInputs(world=WORLD, node_size=NODE, grad_accum=gas, gathered_elements=elements["gathered"],
                       reduced_elements=elements["reduced"], trainable_elements=elements["trainable"],
                       param_bytes=param_bytes, grad_comm_bytes=param_bytes)
-    return asynchzp_bytes(t, layout.param_shard_size, layout.grad_shard_size, layout.optimizer_shard_size,
+    sizes = layout.sizes
+    return asynchzp_bytes(t, sizes.param_shard_size, sizes.grad_shard_size, sizes.optimizer_shard_size,
                           layout.quantization_plan())
 
 

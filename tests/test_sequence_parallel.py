@@ -120,7 +120,7 @@ def _sp_state(sp: int, sdp: int):
 def test_an_sp_state_accepted_and_one_not_spanning_the_world_refused(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     layout = resolve_for_initialize(model=_net(), config=CONFIG, mpu=_sp_state(2, 4))
-    assert layout.sequence_parallel_size == 2 and layout.world_size == 4
+    assert layout.sequence_parallel_size == 2 and layout.sizes.world_size == 4
     assert "sp=2: its all-to-alls run inside a node" in layout.describe()
     with pytest.raises(AsyncHZPConfigError, match="not the world"):
         resolve_for_initialize(model=_net(), config=CONFIG, mpu=_sp_state(2, 2))

@@ -16,11 +16,10 @@ import resource
 import time
 
 from ..platform import ledger
+from ..resolved_layout import RECORD_KEYS, LayoutSizes
 from .memory import model_state_bytes
 
 LINK_DEVICE = "eth0"
-LAYOUT_KEYS = ("world_size", "node_size", "num_nodes", "param_shard_size", "grad_shard_size", "optimizer_shard_size",
-               "auto_reason")
 
 
 def node_link_counter() -> str:
@@ -63,9 +62,7 @@ def families_of(engine) -> dict | None:
     layouts = getattr(engine.optimizer, "hzp_family_layouts", None)
     if layouts is None:
         return None
-    return {name: {"world": l.world, "node_size": l.node_size, "param_shard_size": l.param_shard_size,
-                   "grad_shard_size": l.grad_shard_size, "optimizer_shard_size": l.optimizer_shard_size}
-            for name, l in layouts().items()}
+    return {name: dataclasses.asdict(layout) for name, layout in layouts().items()}
 
 
 def fp32_grad_bytes(engine) -> int:
@@ -84,15 +81,14 @@ def fp32_grad_bytes(engine) -> int:
 
 
 def stock_layout(ds_config: dict, world: int, node_size: int) -> tuple[dict, str]:
-    """The layout dict (keys `LAYOUT_KEYS`) and a one-line description of a stock ZeRO-3 arm.
+    """The layout dict (keys `RECORD_KEYS` and "auto_reason") and a one-line description of a stock ZeRO-3 arm.
 
     Stock ZeRO-3 shards parameters, gradients and optimizer states over the whole world; ZeRO++ hpZ adds a
     secondary parameter partition over ``zero_hpz_partition_size`` ranks, from which the micro-steps gather, so
     that is its parameter shard size (the primary partition stays over the world, as do grads and optimizer)."""
     hpz = int((ds_config.get("zero_optimization") or {}).get("zero_hpz_partition_size") or 1)
     param = hpz if hpz > 1 else world
-    layout = {"world_size": world, "node_size": node_size, "num_nodes": world // node_size,
-              "param_shard_size": param, "grad_shard_size": world, "optimizer_shard_size": world, "auto_reason": None}
+    layout = {**LayoutSizes(world, node_size, param, world, world).as_dict(), "auto_reason": None}
     where = f"world={world} ({world // node_size} node(s) x {node_size} ranks)"
     if hpz > 1:
         text = (f"ZeRO++ hpZ layout: {where}; params: primary partition over {world}, secondary over {hpz} "
@@ -110,7 +106,7 @@ def layout_of(engine, ds_config: dict, world: int, node_size: int) -> tuple[dict
     if hasattr(hzp, "as_dict"):
         layout = dict(hzp.as_dict())
     else:  # a layout object without as_dict(): its dataclass fields
-        layout = {k: v for k, v in dataclasses.asdict(hzp).items() if k in LAYOUT_KEYS}
+        layout = {k: v for k, v in dataclasses.asdict(hzp).items() if k in RECORD_KEYS + ("auto_reason",)}
     layout.setdefault("auto_reason", None)
     return layout, hzp.describe()
 

@@ -209,8 +209,8 @@ def resolve_plan_layout(num_params: int, world: int, node_size: int, sizes: dict
         if "async_hzp.memory_budget_gb" not in exc.keys:
             raise
         return {"d_p": None, "d_g": None, "d_o": None, "reason": None, "error": str(exc)}
-    return {"d_p": layout.param_shard_size, "d_g": layout.grad_shard_size, "d_o": layout.optimizer_shard_size,
-            "reason": layout.auto_reason, "error": None}
+    return {"d_p": layout.sizes.param_shard_size, "d_g": layout.sizes.grad_shard_size,
+            "d_o": layout.sizes.optimizer_shard_size, "reason": layout.auto_reason, "error": None}
 
 
 def check_layout(world: int, node_size: int, d_p: int, d_g: int, d_o: int | None = None) -> None:

@@ -80,7 +80,7 @@ def _initialize_without_optimizer(layout: ResolvedLayout, arguments: dict):
     config = copy.deepcopy(load_ds_config(_ds_config_of(arguments)))
     model = arguments.get("model")
     why_stock = None
-    if not 1 < layout.param_shard_size < layout.world_size:
+    if not 1 < layout.sizes.param_shard_size < layout.sizes.world_size:
         why_stock = "d_p is the world"
     elif layout.sequence_parallel_size > 1:
         why_stock = "hpZ's secondary partition is not part of DeepSpeed's Ulysses sequence-parallel path"
@@ -90,11 +90,11 @@ def _initialize_without_optimizer(layout: ResolvedLayout, arguments: dict):
         why_stock = ("deepspeed.zero.Init partitioned them when the model was built (e.g. from_pretrained under "
                      "ZeRO-3), and DeepSpeed keeps that partitioning")
     hierarchical = why_stock is None
-    placement = (f"parameters sharded over d_p={layout.param_shard_size} inside the node (ZeRO++'s hierarchical "
+    placement = (f"parameters sharded over d_p={layout.sizes.param_shard_size} inside the node (ZeRO++'s hierarchical "
                  "partition, zero_hpz_partition_size): after its first gather a parameter is gathered inside the node"
                  if hierarchical else f"parameters partitioned over the world, as stock: {why_stock}")
     if hierarchical:
-        config.setdefault("zero_optimization", {})["zero_hpz_partition_size"] = layout.param_shard_size
+        config.setdefault("zero_optimization", {})["zero_hpz_partition_size"] = layout.sizes.param_shard_size
         if not ds_comm.is_initialized():   # as deepspeed.initialize would, first
             deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                                        distributed_port=arguments.get("distributed_port", 29500),
@@ -106,7 +106,7 @@ def _initialize_without_optimizer(layout: ResolvedLayout, arguments: dict):
         arguments["args"].deepspeed_config = None
     if layout.log_layout and _rank() == 0:
         print(f"[ds_asynchzp] {layout.describe()}; {placement}", flush=True)
-    with hpz_groups_while_built(layout.param_shard_size) if hierarchical else contextlib.nullcontext():
+    with hpz_groups_while_built(layout.sizes.param_shard_size) if hierarchical else contextlib.nullcontext():
         return _ORIGINAL_INITIALIZE(**arguments, config=config)
 
 

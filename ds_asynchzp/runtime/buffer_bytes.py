@@ -8,6 +8,7 @@ that owns it, so the figure is what the run holds, not a formula.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Dict, List
 
 import torch
@@ -20,30 +21,43 @@ HELD = ("gathered_params_owned", "grad_staging", "gather_scratch", "reduce_scrat
         "error_feedback", "host_copy_staging")
 
 
-def _host_copy_staging(optimizer) -> int:
+@dataclass(frozen=True)
+class BufferOwners:
+    """The owners of the package's buffers beyond the model states, as the optimizer holds them
+    (`HierarchicalZeroOptimizer.hzp_buffer_owners()`): what this module counts and `buffer_trim` trims."""
+
+    pool: object             # BufferPool: the gathered parameters
+    gather: object           # ParamGather: its scratch, and the stream its buffers' readers run on
+    gather_runner: object    # the gather flow's runner (its thread, or inline)
+    families: tuple          # every family's Placement: its boundary flow (scratch), its error feedback
+    trainable: tuple         # the Placements with gradients on this rank: their reduce flow (staging, scratch)
+    host_copies: bool        # optimizer offload: a chunk's summed gradients are copied to the host
+
+
+def _host_copy_staging(owners: BufferOwners) -> int:
     """With optimizer offload, the largest fp32 temporary of a chunk's copy to the host (`comm.host_copy`: the own
     columns cast on the device before the copy): at most the widest gradient chunk's columns x 4 bytes. A gradient
     shard already in fp32 is copied as it is, with no temporary."""
-    if optimizer.hzp_offload is None:
+    if not owners.host_copies:
         return 0
-    widest = [p.boundary.widest_chunk(p.grads.buffer) for p in optimizer._hzp_trainable_placements()
+    widest = [p.boundary.widest_chunk(p.grads.buffer) for p in owners.trainable
               if p.grads.buffer.data.dtype != torch.float32]
     return max(widest, default=0) * 4
 
 
 def buffer_bytes(optimizer) -> Dict[str, int]:
     """Bytes per kind (`KINDS`) on this rank, and their "total" (`HELD`)."""
-    trainable = optimizer._hzp_trainable_placements()
-    pool = optimizer.hzp_pool
+    owners = optimizer.hzp_buffer_owners()
+    trainable, pool = owners.trainable, owners.pool
     out = {"gathered_params_owned": pool.owned_bytes, "gathered_params_in_use": pool.in_use_bytes,
            "gathered_params_peak_in_use": pool.peak_in_use_bytes,
            "grad_staging": sum(p.reduce.staging.nbytes() for p in trainable),
-           "gather_scratch": optimizer.hzp_gather.scratch.nbytes(),
+           "gather_scratch": owners.gather.scratch.nbytes(),
            "reduce_scratch": sum(p.reduce.scratch.nbytes() for p in trainable),
-           "boundary_scratch": sum(p.boundary.scratch.nbytes() for p in optimizer.hzp_placements),
-           "error_feedback": sum(p.error_feedback.nbytes() for p in optimizer.hzp_placements
+           "boundary_scratch": sum(p.boundary.scratch.nbytes() for p in owners.families),
+           "error_feedback": sum(p.error_feedback.nbytes() for p in owners.families
                                  if p.error_feedback is not None),
-           "host_copy_staging": _host_copy_staging(optimizer)}
+           "host_copy_staging": _host_copy_staging(owners)}
     out["total"] = sum(out[kind] for kind in HELD)
     return out
 
@@ -51,14 +65,15 @@ def buffer_bytes(optimizer) -> Dict[str, int]:
 def staging_rings(optimizer) -> List[Dict[str, int]]:
     """Per family with gradients: its staging ring's slots, elements per slot and element size."""
     return [{"slots": ring.slots, "capacity": ring.capacity, "element_size": ring.element_size}
-            for ring in (p.reduce.staging for p in optimizer._hzp_trainable_placements())]
+            for ring in (p.reduce.staging for p in optimizer.hzp_buffer_owners().trainable)]
 
 
 def buffer_allocations(optimizer) -> Dict[str, int]:
     """Buffers the communication path has allocated so far, by pool (constant once warmed up)."""
-    trainable = optimizer._hzp_trainable_placements()
-    return {"gathered_params": optimizer.hzp_pool.allocations,
+    owners = optimizer.hzp_buffer_owners()
+    trainable = owners.trainable
+    return {"gathered_params": owners.pool.allocations,
             "grad_staging": sum(p.reduce.staging.allocations for p in trainable),
-            "gather_scratch": optimizer.hzp_gather.scratch.allocations,
+            "gather_scratch": owners.gather.scratch.allocations,
             "reduce_scratch": sum(p.reduce.scratch.allocations for p in trainable),
-            "boundary_scratch": sum(p.boundary.scratch.allocations for p in optimizer.hzp_placements)}
+            "boundary_scratch": sum(p.boundary.scratch.allocations for p in owners.families)}

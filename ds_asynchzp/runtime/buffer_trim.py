@@ -22,10 +22,11 @@ def _trim_scratch(runner, scratch) -> None:
 
 
 def trim_buffers(optimizer) -> None:
-    optimizer.hzp_pool.trim(readers_stream=optimizer.hzp_gather.compute)
-    _trim_scratch(optimizer.hzp_comm.gather, optimizer.hzp_gather.scratch)
-    for placement in optimizer._hzp_trainable_placements():
+    owners = optimizer.hzp_buffer_owners()
+    owners.pool.trim(readers_stream=owners.gather.compute)
+    _trim_scratch(owners.gather_runner, owners.gather.scratch)
+    for placement in owners.trainable:
         placement.reduce.staging.end_step()
         _trim_scratch(placement.reduce.runner, placement.reduce.scratch)
-    for placement in optimizer.hzp_placements:
+    for placement in owners.families:
         _trim_scratch(placement.boundary.runner, placement.boundary.scratch)

@@ -49,8 +49,6 @@ STAGING_PREFIX = ".asynchzp-staging-"
 # before its optimizer-state file (a crash in the middle of writing a checkpoint).
 FAULT_RANK_ENV = "ASYNCHZP_CHECKPOINT_FAULT_RANK"
 
-_LAYOUT_KEYS = ("world_size", "node_size", "param_shard_size", "grad_shard_size", "optimizer_shard_size")
-
 
 # ----------------------------------------------------------------------------------------------------- save
 def save_checkpoint(engine, save_fn, save_dir, tag=None, client_state=None, save_latest=True,
@@ -133,7 +131,7 @@ def _manifest(engine, tag: str, exclude_frozen_parameters: bool) -> dict:
         "deepspeed_version": deepspeed.__version__,
         "world_size": engine.seq_dp_world_size,
         "partition_count": ds_comm.get_world_size(group=engine.optimizer.dp_process_group),
-        "layout": None if layout is None else {key: getattr(layout, key) for key in _LAYOUT_KEYS},
+        "layout": None if layout is None else layout.sizes.as_saved(),   # under resolved_layout.LAYOUT_KEYS
         "global_steps": engine.global_steps,
         "param_shapes": [[[name, list(shape)] for name, shape in group] for group in model.trainable],
         # As DeepSpeed's model-state files: None when the save left the frozen parameters out.

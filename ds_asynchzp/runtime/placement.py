@@ -18,18 +18,28 @@ experts (each expert's gradient already holds the tokens its expert-parallel gro
 
 Any parameter partitioned over another group, or of a placement family DeepSpeed did not document, is refused
 before Stage 3 partitions anything.
+
+Each family, once the optimizer has built its groups, shards and flows, is held as a `Placement`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
+from ..comm.grad_reduce import GradReduce
+from ..comm.step_boundary import StepBoundary
 from ..errors import AsyncHZPConfigError
 from ..layout import HierarchicalLayout, expert_layout, members_per_node
+from ..quantization import QuantizationPlan
+from ..state.error_feedback import ErrorFeedback
+from ..state.grad_shards import GradShards
+from ..state.param_shards import ParamShards
+from ..state.sharded_buffer import ShardedBuffer
 from ..platform.deepspeed_internals import (AUTOEP_EXPERT_FAMILY, REPLICATED_FAMILY, comm_backend, ds_comm,
                                            expert_data_parallel_group, expert_group_name, group_ranks,
                                            placement_family, resolved_partition_group)
+from ..platform.process_groups import ProcessGroups
 
 DENSE = "dense"
 
@@ -120,4 +130,26 @@ def families_of(module, dp_handle, dense: HierarchicalLayout) -> List[Family]:
     return [dense_family] + [experts[n] for n in names]
 
 
-__all__ = ["DENSE", "Family", "families_of"]
+@dataclass
+class Placement:
+    """One family's layout, groups, shards and flows, as the optimizer builds them. The shards exist from the
+    optimizer's construction on; `trainable`, `grads` and `reduce` only where the family has trainable parameters
+    on this rank (Stage 3 creates them during its construction); all go at `destroy`."""
+
+    family: Family
+    groups: ProcessGroups
+    shards: ParamShards
+    quantization: QuantizationPlan
+    other_groups: List[ProcessGroups] = field(default_factory=list)  # the family's groups this rank is not in
+    trainable: Optional[ShardedBuffer] = None
+    grads: Optional[GradShards] = None
+    reduce: Optional[GradReduce] = None
+    boundary: Optional[StepBoundary] = None
+    error_feedback: Optional[ErrorFeedback] = None
+    repartitioned_from: Dict[int, object] = field(default_factory=dict)
+
+    def owns(self, param) -> bool:
+        return id(param) in self.family.param_ids
+
+
+__all__ = ["DENSE", "Family", "Placement", "families_of"]

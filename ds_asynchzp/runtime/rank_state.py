@@ -19,8 +19,6 @@ from ..errors import CheckpointError
 
 FILE_FORMAT = "ds_asynchzp-rank-state/2"  # error_feedback: {family name: residual state}
 _FORMAT_1 = "ds_asynchzp-rank-state/1"      # error_feedback: the dense family's residual state alone
-_LAYOUT_KEYS = ("world_size", "node_size", "param_shard_size", "grad_shard_size", "optimizer_shard_size",
-                "gradient_quantization_bits", "quantization_block_size")
 
 
 def file_name(rank: int) -> str:
@@ -28,8 +26,10 @@ def file_name(rank: int) -> str:
 
 
 def _layout_of(optimizer) -> Optional[dict]:
+    """What the residual's rows depend on: the sizes (`resolved_layout.LAYOUT_KEYS`) and the quantization's wire
+    format, under the keys the files already on disk hold."""
     layout = getattr(optimizer, "hzp_layout", None)
-    return None if layout is None else {key: getattr(layout, key) for key in _LAYOUT_KEYS}
+    return None if layout is None else {**layout.sizes.as_saved(), **layout.quantization.residual_format()}
 
 
 def _feedbacks(engine) -> dict:
