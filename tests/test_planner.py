@@ -400,7 +400,7 @@ def _check(tmp_path, results, capsys) -> tuple[int, str]:
 
 
 def test_bench_element_counts_match_the_ledger_tests():
-    from ds_asynchzp.bench.model import build_model
+    from ds_asynchzp.models.gpt import build_model
     from tests._dist_workers import _element_counts
 
     counts = planner.bench_element_counts(BENCH_CONFIG)

@@ -22,13 +22,13 @@ from pathlib import Path
 
 from ..measure.json_files import write_json_atomically
 from ..layout import expert_members_per_node
+from ..models.gpt import HOST_OVERHEAD_PRESET, MODEL_PRESETS
+from ..models.mixtral import MOE_PRESETS, autoep_config
 from ..planner.moe import UNSUPPORTED_ARMS as MOE_UNSUPPORTED_ARMS
 from .aggregate import aggregate_arm, merge_repeats
 from .arms import (ARM_SECTION_KEYS, ARMS, DEFAULT_ARMS, OVERRIDABLE_ARMS, ArmSpec, ArmSpecError, arm_ds_config,
                    arm_zero_keys, parse_arm_spec, parse_arm_specs, zeropp_keys)
 from .launch import prepare_ops
-from .model import HOST_OVERHEAD_PRESET, MODEL_PRESETS
-from .moe_model import MOE_PRESETS, autoep_config
 from .offload import add_offload_figures
 from .progress import StepProgress
 from .table import format_table
@@ -277,7 +277,7 @@ def arm_unavailable(arm: str, args: argparse.Namespace | None = None) -> str | N
         problems = getattr(args, "_zeropp_problems", None)
         if problems is None:
             from ..ops.zeropp import stock_zeropp_problems
-            from .worker import build_bench_model
+            from ..models.presets import build_bench_model
 
             model = build_bench_model(args.model, args.moe_experts, args.seq_len, seed=0)
             problems = args._zeropp_problems = stock_zeropp_problems(model.named_parameters(), args.nproc)
@@ -335,7 +335,7 @@ def shared_zero3_knobs(args: argparse.Namespace) -> dict:
     live-parameter cache is sized by the model's largest block, counted once per run)."""
     block = getattr(args, "_block_parameters", None)
     if block is None:
-        from .worker import build_bench_model
+        from ..models.presets import build_bench_model
 
         block = largest_block_parameters(build_bench_model(args.model, args.moe_experts, args.seq_len, seed=0))
         args._block_parameters = block
@@ -422,8 +422,8 @@ def run_config(args: argparse.Namespace) -> dict:
 
 
 def _model_parameter_count(args: argparse.Namespace) -> int:
-    from .model import count_parameters
-    from .worker import build_bench_model
+    from ..models.gpt import count_parameters
+    from ..models.presets import build_bench_model
 
     return count_parameters(build_bench_model(args.model, args.moe_experts, args.seq_len, seed=0))["total"]
 

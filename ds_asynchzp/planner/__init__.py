@@ -408,36 +408,14 @@ def wire_overhead_factor(mtu: int = 1500, ethernet: bool = True) -> float:
 WIRE_OVERHEAD_FACTOR = wire_overhead_factor(1500)
 
 
-def _padded(numel: int, multiple: int) -> int:
-    return sizing.padded_num_params([numel], multiple)
-
-
 def bench_element_counts(config: dict, multiple: int | None = None) -> dict:
-    """P_g, P_r, P_t of the benchmark's model, counted as the ledger tests count them.
-
-    P_g: each module's own parameters (a tied weight once per module that owns it); P_r: trainable parameters
-    except the deliberately unused one; P_t: all trainable parameters. Each padded to a multiple of
-    ``multiple``: the world (default) for ZeRO-3 and hpZ, ``d_o`` for an AsyncHZP arm.
-    """
-    from ..bench.model import build_model
-    from ..bench.worker import _model_config  # the exact architecture the benchmark's ranks built
+    """P_g, P_r, P_t of the benchmark's model of a results.json ``config``, counted as the ledger tests count
+    them (`models.presets.element_counts`), padded to a multiple of ``multiple`` (default: the world)."""
+    from ..models.presets import element_counts  # the exact architecture the benchmark's ranks built
 
     world = int(config.get("world_size") or config["nproc"])
-    multiple = world if multiple is None else multiple
-    model = build_model(_model_config(config["model"], int(config.get("moe_experts") or 0),
-                                      int(config.get("seq_len") or 0)))
-    counts = {"gathered": 0, "reduced": 0, "trainable": 0, "qgz": 0}
-    for module in model.modules():
-        counts["gathered"] += sum(_padded(p.numel(), multiple) for p in module.parameters(recurse=False))
-    for name, param in model.named_parameters():
-        if param.requires_grad:
-            counts["trainable"] += _padded(param.numel(), multiple)
-            if name != "unused":
-                counts["reduced"] += _padded(param.numel(), multiple)
-                # Stock qgZ's all-to-all takes 2-D gradients whose size splits into 2N parts; the rest fall back.
-                if param.dim() >= 2 and param.numel() % (2 * world) == 0:
-                    counts["qgz"] += param.numel()
-    return counts
+    return element_counts(config["model"], int(config.get("moe_experts") or 0), int(config.get("seq_len") or 0),
+                          world, multiple)
 
 
 _LAYOUT_KEYS = {"d_p": ("param_shard_size", "d_p"), "d_g": ("grad_shard_size", "d_g"),
