@@ -20,8 +20,8 @@ import torch
 
 import ds_asynchzp
 from ds_asynchzp.bench.data import batch_for
-from ds_asynchzp.bench.model import MODEL_PRESETS, build_model
-from ds_asynchzp.bench.moe_model import MOE_PRESETS, build_moe_model
+from ds_asynchzp.models.gpt import MODEL_PRESETS, build_model
+from ds_asynchzp.models.mixtral import MOE_PRESETS, build_moe_model
 
 SEQ_LEN = 64  # tokens per sample of the MoE model
 

@@ -22,7 +22,7 @@ import torch
 import ds_asynchzp
 from ds_asynchzp.bench.zero3_knobs import NO_OVERLAP as ZERO3_KNOBS
 from ds_asynchzp.bench.data import batch_for
-from ds_asynchzp.bench.model import MODEL_PRESETS, build_model
+from ds_asynchzp.models.gpt import MODEL_PRESETS, build_model
 from ds_asynchzp.errors import CheckpointError
 from ds_asynchzp.runtime.checkpoint import FAULT_RANK_ENV
 
@@ -55,14 +55,14 @@ def ds_config(case: dict) -> dict:
     if case.get("universal"):
         config["checkpoint"] = {"load_universal": True}
     if case.get("autoep_size"):
-        from ds_asynchzp.bench.moe_model import autoep_config
+        from ds_asynchzp.models.mixtral import autoep_config
         config["expert_parallel"] = autoep_config(case["autoep_size"])
     return config
 
 
 def build_engine(case: dict, seed: int = 7):
     if case.get("autoep_size"):
-        from ds_asynchzp.bench.moe_model import build_moe_model
+        from ds_asynchzp.models.mixtral import build_moe_model
         model = build_moe_model("moe", SEQ_LEN, seed=seed)
     else:
         model = build_model(dataclasses.replace(MODEL_PRESETS["tiny"], **case.get("model", {})), seed=seed)

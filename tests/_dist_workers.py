@@ -22,7 +22,7 @@ from ds_asynchzp.platform import ledger
 from ds_asynchzp.comm import delay_injection
 from ds_asynchzp.bench.zero3_knobs import NO_OVERLAP as BENCH_ZERO3_KNOBS
 from ds_asynchzp.bench.data import batch_for
-from ds_asynchzp.bench.model import MODEL_PRESETS, build_model
+from ds_asynchzp.models.gpt import MODEL_PRESETS, build_model
 from ds_asynchzp.measure.memory import model_state_bytes
 from ds_asynchzp.formulas.sizing import padded_num_params
 from ds_asynchzp.platform.deepspeed_internals import autoep_groups
@@ -64,7 +64,7 @@ def ds_config(case: dict) -> dict:
         config["async_hzp"] = dict(replay, **case["async_hzp"])
     config.update(case.get("ds_extra", {}))
     if case.get("autoep_size"):
-        from ds_asynchzp.bench.moe_model import autoep_config
+        from ds_asynchzp.models.mixtral import autoep_config
         config["expert_parallel"] = autoep_config(case["autoep_size"])
     return config
 
@@ -115,7 +115,7 @@ def _full_params(engine) -> dict:
 def _build_engine(case: dict):
     torch.manual_seed(case.get("seed", 7))
     if case.get("model") == "moe":
-        from ds_asynchzp.bench.moe_model import build_moe_model
+        from ds_asynchzp.models.mixtral import build_moe_model
         model = build_moe_model("moe", case.get("seq_len", 32), seed=case.get("seed", 7))
         engine, *_ = ds_asynchzp.initialize(model=model, model_parameters=[p for p in model.parameters()
                                                                            if p.requires_grad],

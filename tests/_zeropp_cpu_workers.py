@@ -10,7 +10,7 @@ import deepspeed
 import torch
 
 from ds_asynchzp.bench.data import batch_for
-from ds_asynchzp.bench.model import build_model
+from ds_asynchzp.models.gpt import build_model
 from ds_asynchzp.platform.deepspeed_internals import install_cpu_zeropp_quantizer
 
 

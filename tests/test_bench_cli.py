@@ -51,7 +51,7 @@ def test_fp16_is_refused_up_front_where_the_cpu_lacks_it(capsys, monkeypatch):
 def test_zero3_knob_presets_turn_stock_scheduling_on_by_default():
     """The default preset lets stock ZeRO-3 prefetch and overlap (a fair baseline), every parameter partitioned
     and released; the live cache holds a few blocks of the chosen model; the other presets are what they say."""
-    from ds_asynchzp.bench.model import build_model
+    from ds_asynchzp.models.gpt import build_model
 
     tuned = cli.shared_zero3_knobs(cli.parse_args(["--model", "small"]))
     block = zero3_knobs.largest_block_parameters(build_model("small"))

@@ -11,8 +11,7 @@ import sys
 
 import pytest
 
-from ds_asynchzp import planner
-from ds_asynchzp.bench import cli
+from ds_asynchzp.bench import cli, plan_check
 from ds_asynchzp.netem import EmulationUnavailable, preflight
 
 
@@ -65,7 +64,7 @@ def test_link_counters_are_recorded_for_every_arm(results):
 
 
 def test_planner_predicts_ledger_and_wire_within_five_percent(results):
-    report = planner.check_results(results)
+    report = plan_check.check_results(results)
     quantities = {(row["arm"], row["quantity"]) for row in report["rows"]}
     assert ("asynchzp", "inter_node_wire") in quantities and ("zero3", "inter_node_wire") in quantities
     assert report["ok"], [row for row in report["rows"] if not row["ok"]]

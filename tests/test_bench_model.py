@@ -19,7 +19,7 @@ from ds_asynchzp.bench.data import (
     load_corpus,
     train_val_split,
 )
-from ds_asynchzp.bench.model import MODEL_PRESETS, GPTConfig, build_model, count_parameters
+from ds_asynchzp.models.gpt import MODEL_PRESETS, GPTConfig, build_model, count_parameters
 
 TINY = MODEL_PRESETS["tiny"]
 

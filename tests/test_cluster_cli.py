@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_asynchzp import planner
+from ds_asynchzp.bench import plan_check
 from ds_asynchzp.formulas import traffic
 from ds_asynchzp.config import resolve_layout
 from ds_asynchzp.netem import tracking
@@ -112,11 +112,11 @@ def test_link_bytes_per_step_match_the_prediction(deepspeed_run, torchrun_run, c
     layout = resolve_layout(CONFIG, world_size=4, local_world_size=2)
     sizes = layout.sizes
     d_p, d_g, d_o = sizes.param_shard_size, sizes.grad_shard_size, sizes.optimizer_shard_size
-    elements = planner.bench_element_counts({"model": "tiny", "nproc": 4}, multiple=d_o)  # train.py's model
+    elements = plan_check.bench_element_counts({"model": "tiny", "nproc": 4}, multiple=d_o)  # train.py's model
     inputs = traffic.TrafficInputs(world=4, node_size=2, grad_accum=json.loads(CONFIG.read_text())[
         "gradient_accumulation_steps"], gathered_elements=elements["gathered"], reduced_elements=elements["reduced"],
         trainable_elements=elements["trainable"])
-    predicted = 4 * traffic.link_bytes("asynchzp", inputs, d_p, d_g, d_o) * planner.wire_overhead_factor(1500)
+    predicted = 4 * traffic.link_bytes("asynchzp", inputs, d_p, d_g, d_o) * plan_check.wire_overhead_factor(1500)
     with capsys.disabled():
         print(f"\nlink bytes per step, 2 x 2 ranks: measured {measured:.0f} (runs of {LONG_STEPS} and {SHORT_STEPS} "
               f"steps: {long_} and {short}), predicted {predicted:.0f}, {measured / predicted - 1:+.1%}; "

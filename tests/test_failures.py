@@ -90,7 +90,7 @@ atexit.register(lambda: print("left behind:", sorted(t.name for t in threading.e
                                                        if t.name.startswith("asynchzp-") and t.is_alive())))
 import deepspeed, torch
 import ds_asynchzp
-from ds_asynchzp.bench.model import build_model
+from ds_asynchzp.models.gpt import build_model
 deepspeed.init_distributed(dist_backend="gloo")
 model = build_model("tiny", seed=0)
 config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},

@@ -15,7 +15,7 @@ import torch
 
 from ds_asynchzp.bench import cli
 from ds_asynchzp.bench.aggregate import aggregate_arm, merge_repeats
-from ds_asynchzp.bench.model import HOST_OVERHEAD_PRESET, MODEL_PRESETS, build_model, count_parameters
+from ds_asynchzp.models.gpt import HOST_OVERHEAD_PRESET, MODEL_PRESETS, build_model, count_parameters
 from ds_asynchzp.bench.table import HOST_COLUMNS, format_table
 from ds_asynchzp.comm.param_gather import COALESCE_NUMEL
 from ds_asynchzp.scheduler import context as context_module

@@ -1,7 +1,7 @@
 """Mixture of experts under DeepSpeed's AutoEP: routed experts get their own hierarchical layout inside their
 expert-data-parallel group, dense parameters keep theirs.
 
-A tiny random `transformers` Mixtral (4 experts, top-2; `ds_asynchzp.bench.moe_model`), AutoEP with ep 2, fp32,
+A tiny random `transformers` Mixtral (4 experts, top-2; `ds_asynchzp.models.mixtral`), AutoEP with ep 2, fp32,
 gradient accumulation 2, 6 steps, on 4 ranks in nodes of 2 (each expert-data-parallel group has one rank per
 node: experts are replicated inside the node and cross nodes once per step) and on 8 ranks in nodes of 4 (two
 members per node: expert parameters sharded over 2 ranks inside the node). Stock ZeRO-3 + AutoEP trains the

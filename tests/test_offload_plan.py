@@ -8,11 +8,13 @@ import json
 
 import pytest
 
-from ds_asynchzp import planner
 from ds_asynchzp.formulas import sizing, traffic
 from ds_asynchzp.config import resolve_layout
 from ds_asynchzp.errors import AsyncHZPConfigError
+from ds_asynchzp.planner import arm_formulas, cluster_plan
 from ds_asynchzp.planner import cli as plan_cli
+from ds_asynchzp.planner import offload as offload_plan
+from ds_asynchzp.planner.moe import MoeInputs
 
 GIB = 2**30
 # The brief's example: 70B bf16 parameters, 2 nodes of 8 ranks, 80 GB devices, 8 micro-steps per step.
@@ -90,7 +92,7 @@ def test_host_device_bytes_by_hand():
 def test_asynchzp_copies_do_not_grow_with_accumulation_and_stay_below_stock(world, node):
     """bf16, d_o = N: AsyncHZP copies (4 + 2)·Ψ/N whatever A; stock (2·2·A + 6)·Ψ/N, 22·Ψ/N at A = 4."""
     def inputs(grad_accum):
-        return planner.traffic_inputs(PSI, world, node, grad_accum, "bf16")
+        return arm_formulas.traffic_inputs(PSI, world, node, grad_accum, "bf16")
 
     ours = {a: traffic.asynchzp_host_device_bytes(inputs(a))["total"] for a in (1, 4, 8, 32)}
     assert len(set(ours.values())) == 1
@@ -126,13 +128,13 @@ def test_offload_arms_have_their_twins_formulas():
     assert traffic.offload_twin("asynchzp-offload:param_shard_size=2") == "asynchzp:param_shard_size=2"
     assert traffic.offload_twin("asynchzp-q") == "asynchzp-q" and traffic.offload_twin("zero3") == "zero3"
     for arm, twin in (("zero3-offload", "zero3"), ("asynchzp-offload", "asynchzp")):
-        assert planner.arm_bytes(arm, T, 2, 4, 4) == planner.arm_bytes(twin, T, 2, 4, 4)
+        assert arm_formulas.arm_bytes(arm, T, 2, 4, 4) == arm_formulas.arm_bytes(twin, T, 2, 4, 4)
         assert traffic.link_bytes(arm, T, 2, 4, 4) == traffic.link_bytes(twin, T, 2, 4, 4)
         for offload in (True, False):
             args = (1120, 8, 4, 2, 4, 4, 2, 4, offload)
-            assert planner.offload_plan.arm_placement(arm, *args) == planner.offload_plan.arm_placement(twin, *args)
+            assert offload_plan.arm_placement(arm, *args) == offload_plan.arm_placement(twin, *args)
     with pytest.raises(ValueError, match="mystery-offload"):
-        planner.offload_plan.arm_placement("mystery-offload", 1120, 8, 4, 2, 4, 4, 2, 4, True)
+        offload_plan.arm_placement("mystery-offload", 1120, 8, 4, 2, 4, 4, 2, 4, True)
 
 
 # -------------------------------------------------------------------------------------------- "auto"
@@ -205,7 +207,7 @@ def test_plan_70b_with_offload_keeps_gradients_in_the_node(capsys):
     assert data["auto_without_offload"]["error"] is not None
     node_local = [lay for lay in sizing.valid_layouts(WORLD, NODE) if NODE % lay[1] == 0]
     assert min(sizing.model_state_bytes_per_rank(PSI, WORLD, *lay)["total"] for lay in node_local) > 80 * GIB
-    plain = planner.plan(PSI, WORLD, NODE, 8, device_memory=80 * GIB)
+    plain = cluster_plan.plan(PSI, WORLD, NODE, 8, device_memory=80 * GIB)
     assert plain["auto"]["error"] is not None and plain["layout"]["d_g"] > NODE
     # Every arm: device and host with and without offload, and the host<->device bytes.
     for arm, entry in data["arms"].items():
@@ -219,9 +221,10 @@ def test_plan_70b_with_offload_keeps_gradients_in_the_node(capsys):
                    for a in ("asynchzp", "zero3"))
     assert ours == pytest.approx((4 + 2) * PSI / 16) and zero3 == pytest.approx((2 * 2 * 8 + 4 + 2) * PSI / 16)
     # Offload leaves the network flows alone: the same layout planned without it moves the same bytes.
-    same = planner.plan(PSI, WORLD, NODE, 8, intra_bw=planner.DEFAULT_INTRA_BW, inter_bw=planner.DEFAULT_INTER_BW,
-                        device_memory=80 * GIB, param_shard_size=layout["d_p"], grad_shard_size=layout["d_g"],
-                        optimizer_shard_size=layout["d_o"])
+    same = cluster_plan.plan(PSI, WORLD, NODE, 8, intra_bw=cluster_plan.DEFAULT_INTRA_BW,
+                             inter_bw=cluster_plan.DEFAULT_INTER_BW,
+                             device_memory=80 * GIB, param_shard_size=layout["d_p"], grad_shard_size=layout["d_g"],
+                             optimizer_shard_size=layout["d_o"])
     assert same["arms"]["asynchzp"]["bytes_per_step"]["inter_node"] == \
         data["arms"]["asynchzp"]["bytes_per_step"]["inter_node"]
 
@@ -238,14 +241,14 @@ def test_plan_70b_with_offload_keeps_gradients_in_the_node(capsys):
 
 
 def test_plan_auto_with_offload_is_choose_layout():
-    result = planner.plan(PSI, WORLD, NODE, 8, intra_bw=200e9, inter_bw=50e9, device_memory=80 * GIB,
-                          offload_optimizer=True)
+    result = cluster_plan.plan(PSI, WORLD, NODE, 8, intra_bw=200e9, inter_bw=50e9, device_memory=80 * GIB,
+                               offload_optimizer=True)
     *expected, reason = sizing.choose_layout(PSI, WORLD, NODE, 40 * GIB, grad_accum_steps=8, intra_bw_bytes_s=200e9,
                                              inter_bw_bytes_s=50e9, offload_optimizer=True)
     assert [result["auto"][k] for k in ("d_p", "d_g", "d_o")] == expected and result["auto"]["reason"] == reason
     # Nothing fits: the arms use the smallest-device layout, flagged in the offload columns.
-    tight = planner.plan(PSI, WORLD, NODE, 8, intra_bw=200e9, inter_bw=50e9, device_memory=20 * GIB,
-                         offload_optimizer=True)
+    tight = cluster_plan.plan(PSI, WORLD, NODE, 8, intra_bw=200e9, inter_bw=50e9, device_memory=20 * GIB,
+                              offload_optimizer=True)
     assert tight["auto"]["error"] is not None
     assert (tight["layout"]["d_p"], tight["layout"]["d_g"], tight["layout"]["d_o"]) == (8, 16, 16)
     assert tight["arms"]["asynchzp"]["offload_optimizer"]["fits_device_memory"] is False
@@ -253,7 +256,7 @@ def test_plan_auto_with_offload_is_choose_layout():
 
 
 def test_plan_without_the_flag_carries_no_offload(capsys):
-    result = planner.plan(PSI, WORLD, NODE, 8, intra_bw=100e9, inter_bw=25e9, device_memory=80 * GIB)
+    result = cluster_plan.plan(PSI, WORLD, NODE, 8, intra_bw=100e9, inter_bw=25e9, device_memory=80 * GIB)
     assert "auto_without_offload" not in result and "offload_optimizer" not in result["inputs"]
     assert all("offload_optimizer" not in entry for entry in result["arms"].values())
     assert plan_cli.main([*ARGV_70B, "--intra-bw", "100GB/s", "--inter-bw", "200Gbit"]) == 0
@@ -266,4 +269,4 @@ def test_offload_with_experts_is_refused(capsys):
                                                      "--ep-size", "8"]).value.code == 2
     assert "--offload-optimizer" in capsys.readouterr().err
     with pytest.raises(ValueError, match="offload"):
-        planner.plan(PSI, WORLD, NODE, moe=planner.moe_plan.MoeInputs(30 * 10**9, 8, 0, 0, 2), offload_optimizer=True)
+        cluster_plan.plan(PSI, WORLD, NODE, moe=MoeInputs(30 * 10**9, 8, 0, 0, 2), offload_optimizer=True)

@@ -1,6 +1,6 @@
 """AsyncHZP against stock ZeRO-3: same model, data and seed, fp32 on CPU ranks, 6 optimizer steps.
 
-The model (ds_asynchzp.bench.model, preset "tiny") has a tied embedding, a frozen parameter, a parameter whose
+The model (ds_asynchzp.models.gpt, preset "tiny") has a tied embedding, a frozen parameter, a parameter whose
 size is prime (191, never divisible by the world) and a parameter unused in forward.
 
 Where every gradient is summed over the same ranks in the same order as stock, the losses must be

@@ -10,8 +10,9 @@ import json
 
 import pytest
 
-from ds_asynchzp import planner
+from ds_asynchzp.bench import plan_check
 from ds_asynchzp.formulas import sizing, traffic
+from ds_asynchzp.planner import arm_formulas, cluster_plan, inputs
 from ds_asynchzp.planner import cli as plan_cli
 
 GIB = 2**30
@@ -21,7 +22,7 @@ EXAMPLE = dict(num_params=70 * 10**9, world=1024, node_size=16, dtype="bf16", in
 
 
 def _plan(grad_accum=8, **changes):
-    return planner.plan(grad_accum=grad_accum, **dict(EXAMPLE, **changes))
+    return cluster_plan.plan(grad_accum=grad_accum, **dict(EXAMPLE, **changes))
 
 
 def _exit_code(argv) -> int:
@@ -37,13 +38,13 @@ def _exit_code(argv) -> int:
     ("100Mbit", 12.5e6), ("2 Bytes/s", 2.0),
 ])
 def test_bandwidth_units_tell_bytes_from_bits(text, expected):
-    assert planner.parse_bandwidth(text) == pytest.approx(expected)
+    assert inputs.parse_bandwidth(text) == pytest.approx(expected)
 
 
 @pytest.mark.parametrize("text", ["400", "fast", "400GB/h", "GB/s", "-5GB/s", "0GB/s"])
 def test_bad_bandwidths_are_rejected(text):
     with pytest.raises(ValueError):
-        planner.parse_bandwidth(text)
+        inputs.parse_bandwidth(text)
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -52,15 +53,15 @@ def test_bad_bandwidths_are_rejected(text):
 def test_memory_sizes_are_binary(text, expected):
     if expected is None:
         with pytest.raises(ValueError):
-            planner.parse_memory(text)
+            inputs.parse_memory(text)
     else:
-        assert planner.parse_memory(text) == expected
+        assert inputs.parse_memory(text) == expected
 
 
 @pytest.mark.parametrize("text", ["80", "80Gbit", "80GB/s", "eighty GB"])
 def test_bad_memory_sizes_are_rejected(text):
     with pytest.raises(ValueError):
-        planner.parse_memory(text)
+        inputs.parse_memory(text)
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -68,13 +69,13 @@ def test_bad_memory_sizes_are_rejected(text):
     ("1_000_000", 10**6), ("1T", 10**12), ("123", 123),
 ])
 def test_parameter_counts(text, expected):
-    assert planner.parse_count(text) == expected
+    assert inputs.parse_count(text) == expected
 
 
 @pytest.mark.parametrize("text", ["abc", "0", "70X", "7e9 params", ""])
 def test_bad_parameter_counts_are_rejected(text):
     with pytest.raises(ValueError):
-        planner.parse_count(text)
+        inputs.parse_count(text)
 
 
 def test_cli_reports_a_bad_unit_as_a_usage_error(capsys):
@@ -85,14 +86,14 @@ def test_cli_reports_a_bad_unit_as_a_usage_error(capsys):
 
 def test_model_spec_parameter_count():
     dense = {"layers": 80, "hidden": 8192, "vocab": 32000}
-    assert planner.params_from_model_spec(dense) == 12 * 80 * 8192**2 + 2 * 32000 * 8192
-    assert planner.params_from_model_spec(dict(dense, tied=True)) == 12 * 80 * 8192**2 + 32000 * 8192
+    assert inputs.params_from_model_spec(dense) == 12 * 80 * 8192**2 + 2 * 32000 * 8192
+    assert inputs.params_from_model_spec(dict(dense, tied=True)) == 12 * 80 * 8192**2 + 32000 * 8192
     swiglu = dict(dense, ffn_hidden=int(1.5 * 28672))
-    assert planner.params_from_model_spec(swiglu) == 80 * (4 * 8192**2 + 3 * 8192 * 28672) + 2 * 32000 * 8192
+    assert inputs.params_from_model_spec(swiglu) == 80 * (4 * 8192**2 + 3 * 8192 * 28672) + 2 * 32000 * 8192
     with pytest.raises(ValueError, match="vocab"):
-        planner.params_from_model_spec({"layers": 2, "hidden": 64})
+        inputs.params_from_model_spec({"layers": 2, "hidden": 64})
     with pytest.raises(ValueError, match="tied"):
-        planner.params_from_model_spec(dict(dense, tied="false"))
+        inputs.params_from_model_spec(dict(dense, tied="false"))
 
 
 def test_cli_reads_a_model_json(tmp_path, capsys):
@@ -180,7 +181,7 @@ def test_no_point_to_point_flows_remain():
 # ------------------------------------------------------------------------------------ planned traffic
 def test_asynchzp_crosses_nodes_far_less_than_zero3_whatever_the_accumulation():
     plans = {gas: _plan(grad_accum=gas, param_shard_size=16, optimizer_shard_size=1024) for gas in (1, 8, 32)}
-    inter = {gas: {arm: p["arms"][arm]["bytes_per_step"]["inter_node"] for arm in planner.ARMS}
+    inter = {gas: {arm: p["arms"][arm]["bytes_per_step"]["inter_node"] for arm in arm_formulas.ARMS}
              for gas, p in plans.items()}
     assert inter[1]["asynchzp"] == inter[8]["asynchzp"] == inter[32]["asynchzp"]
     assert inter[32]["zero3"] == pytest.approx(32 * inter[1]["zero3"])
@@ -236,10 +237,10 @@ def test_quantized_asynchzp_shrinks_only_the_cross_node_traffic():
 
 def test_quantized_flows_follow_the_engine_plan():
     # quantize_cross_node leaves flows inside a node alone; quantized_gradients quantizes them everywhere.
-    t = planner.traffic_inputs(10**6, 8, 4, 2, "bf16")
-    cross = planner.arm_quantization("asynchzp-q", 8, 4, 2, 2, 4)       # d_o = 4 = node: boundary inside a node
+    t = arm_formulas.traffic_inputs(10**6, 8, 4, 2, "bf16")
+    cross = arm_formulas.arm_quantization("asynchzp-q", 8, 4, 2, 2, 4)       # d_o = 4 = node: boundary inside a node
     assert cross.boundary_grad is None and cross.param_refresh is None and cross.boundary_allreduce is not None
-    every = planner.arm_quantization("asynchzp-qg", 8, 4, 2, 2, 4, {"gradient_quantization_bits": 4})
+    every = arm_formulas.arm_quantization("asynchzp-qg", 8, 4, 2, 2, 4, {"gradient_quantization_bits": 4})
     assert every.grad_reduce_scatter.bits == every.boundary_grad.bits == every.boundary_allreduce.bits == 4
     plain = traffic.asynchzp_bytes(t, 2, 2, 4)["by_flow"]
     quant = traffic.asynchzp_bytes(t, 2, 2, 4, every)["by_flow"]
@@ -251,18 +252,18 @@ def test_quantized_flows_follow_the_engine_plan():
 def test_arms_reuse_the_traffic_module():
     plan = _plan()
     d_o = plan["layout"]["d_o"]
-    t = planner.traffic_inputs(70 * 10**9, 1024, 16, 8, "bf16")
+    t = arm_formulas.traffic_inputs(70 * 10**9, 1024, 16, 8, "bf16")
     arms = plan["arms"]
     assert arms["zero3"]["bytes_per_step"] == traffic.zero3_bytes(t)
     assert arms["hpz"]["bytes_per_step"] == traffic.hpz_bytes(t)
-    t_o = planner.traffic_inputs(70 * 10**9, 1024, 16, 8, "bf16", multiple=d_o)
+    t_o = arm_formulas.traffic_inputs(70 * 10**9, 1024, 16, 8, "bf16", multiple=d_o)
     assert arms["asynchzp"]["bytes_per_step"] == traffic.asynchzp_bytes(t_o, 16, 16, d_o)
 
 
 def test_asynchzp_arm_pads_to_the_optimizer_group():
     # 1000 elements over 64 ranks pad to 1024, over an optimizer group of 8 to 1000.
-    plan = planner.plan(1000, 64, 8, param_shard_size=8, grad_shard_size=8, optimizer_shard_size=8,
-                        memory_budget=GIB, intra_bw=1e9, inter_bw=1e9)
+    plan = cluster_plan.plan(1000, 64, 8, param_shard_size=8, grad_shard_size=8, optimizer_shard_size=8,
+                             memory_budget=GIB, intra_bw=1e9, inter_bw=1e9)
     assert plan["arms"]["zero3"]["model_state_bytes"]["param_shard"] == 2 * 1024 // 64
     assert plan["arms"]["asynchzp"]["model_state_bytes"] == sizing.model_state_bytes_per_rank(1000, 64, 8, 8, 8)
 
@@ -346,7 +347,7 @@ def test_json_output_parses_and_the_table_lists_every_arm(capsys):
             "200Gbit", "--grad-accum", "8", "--device-memory", "64GB"]
     assert plan_cli.main([*argv, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert set(data["arms"]) == set(planner.ARMS)
+    assert set(data["arms"]) == set(arm_formulas.ARMS)
     auto = data["auto"]
     assert data["inputs"]["inter_bw_bytes_per_s"] == 25e9 and data["inputs"]["device_memory_bytes"] == 64 * GIB
     assert plan_cli.main(argv) == 0
@@ -355,7 +356,7 @@ def test_json_output_parses_and_the_table_lists_every_arm(capsys):
     assert f'"auto" would choose {pick}' in table and auto["reason"] in table
     assert "valid layouts" in auto["reason"] and "s per optimizer step" in auto["reason"]
     assert f"asynchzp arms use {pick} (auto)" in table
-    assert all(f"\n{arm} " in table for arm in planner.ARMS)
+    assert all(f"\n{arm} " in table for arm in arm_formulas.ARMS)
 
 
 # ------------------------------------------------------------------------------------------ --check
@@ -400,10 +401,10 @@ def _check(tmp_path, results, capsys) -> tuple[int, str]:
 
 
 def test_bench_element_counts_match_the_ledger_tests():
-    from ds_asynchzp.bench.model import build_model
+    from ds_asynchzp.models.gpt import build_model
     from tests._dist_workers import _element_counts
 
-    counts = planner.bench_element_counts(BENCH_CONFIG)
+    counts = plan_check.bench_element_counts(BENCH_CONFIG)
     expected = _element_counts(build_model("tiny"), 8)
     qgz = counts.pop("qgz")
     assert counts == {k: expected[k] for k in ("gathered", "reduced", "trainable")}
@@ -412,7 +413,7 @@ def test_bench_element_counts_match_the_ledger_tests():
                       if p.requires_grad and n != "unused" and p.dim() == 2 and p.numel() % 16 == 0)
     assert 0 < qgz < counts["reduced"]
     assert counts["gathered"] > counts["trainable"] > counts["reduced"]  # tied weight twice; unused param
-    by_group = planner.bench_element_counts(BENCH_CONFIG, 4)
+    by_group = plan_check.bench_element_counts(BENCH_CONFIG, 4)
     by_group.pop("qgz")
     expected = _element_counts(build_model("tiny"), 4)
     assert by_group == {k: expected[k] for k in ("gathered", "reduced", "trainable")}
@@ -425,13 +426,13 @@ def test_check_passes_on_formula_bytes_and_fails_ten_percent_off(tmp_path, capsy
         elements = {"gathered": 123_456, "reduced": 100_000, "trainable": 101_000}
         o4 = {"gathered": 123_452, "reduced": 99_996, "trainable": 100_996}
     else:
-        elements, o4 = planner.bench_element_counts(BENCH_CONFIG), planner.bench_element_counts(BENCH_CONFIG, 4)
+        elements, o4 = plan_check.bench_element_counts(BENCH_CONFIG), plan_check.bench_element_counts(BENCH_CONFIG, 4)
     results = _synthetic_results(elements, with_elements, o4)
     code, out = _check(tmp_path, results, capsys)
     assert code == 0, out
     assert "PASS" in out and "'mystery'" in out
     assert f"{O4_ARM}: d_p=2 d_g=4 d_o=4" in out and "asynchzp: d_p=4 d_g=4 d_o=8" in out
-    report = planner.check_results(results)
+    report = plan_check.check_results(results)
     assert report["asynchzp_layouts"] == {"asynchzp": {"d_p": 4, "d_g": 4, "d_o": 8},
                                           O4_ARM: {"d_p": 2, "d_g": 4, "d_o": 4}}
     assert {r["arm"] for r in report["rows"]} == {"zero3", "hpz", "asynchzp", O4_ARM}
@@ -458,32 +459,32 @@ def test_check_knows_the_offload_arms(tmp_path, capsys):
         "layout": {"param_shard_size": 2, "grad_shard_size": 4, "optimizer_shard_size": 8}}
     code, out = _check(tmp_path, results, capsys)
     assert code == 0, out
-    report = planner.check_results(results)
+    report = plan_check.check_results(results)
     assert not any("offload" in note for note in report["notes"])
     assert {"zero3-offload", "asynchzp-offload:param_shard_size=2"} <= {r["arm"] for r in report["rows"]}
     assert report["asynchzp_layouts"]["asynchzp-offload:param_shard_size=2"] == {"d_p": 2, "d_g": 4, "d_o": 8}
     for arm in ("zero3-offload", "asynchzp-offload:param_shard_size=2"):
         off = copy.deepcopy(results)
         off["arms"][arm]["bytes_per_step"]["inter_node"] *= 1.10
-        assert not planner.check_results(off)["ok"]
+        assert not plan_check.check_results(off)["ok"]
 
 
 def test_check_reads_each_asynchzp_arm_layout():
     results = _synthetic_results({"gathered": 1000, "reduced": 800, "trainable": 900}, with_elements=True)
     # Recorded layout first; then the arm's integer overrides; then d_p = d_g = node size, d_o = world.
-    assert planner.asynchzp_sizes(results, O4_ARM, 4, 8) == (2, 4, 4)
+    assert plan_check.asynchzp_sizes(results, O4_ARM, 4, 8) == (2, 4, 4)
     del results["arms"][O4_ARM]["layout"]
-    assert planner.asynchzp_sizes(results, O4_ARM, 4, 8) == (2, 4, 4)
+    assert plan_check.asynchzp_sizes(results, O4_ARM, 4, 8) == (2, 4, 4)
     del results["config"]["arm_overrides"][O4_ARM]
-    assert planner.asynchzp_sizes(results, O4_ARM, 4, 8) == (4, 4, 8)
+    assert plan_check.asynchzp_sizes(results, O4_ARM, 4, 8) == (4, 4, 8)
     results["config"]["arm_overrides"]["asynchzp:optimizer_shard_size=auto"] = {
         "async_hzp": {"optimizer_shard_size": "auto"}}
     with pytest.raises(ValueError, match="auto"):
-        planner.asynchzp_sizes(results, "asynchzp:optimizer_shard_size=auto", 4, 8)
+        plan_check.asynchzp_sizes(results, "asynchzp:optimizer_shard_size=auto", 4, 8)
     # An "auto" arm whose entry records the resolved layout is fine.
     results["arms"]["asynchzp:optimizer_shard_size=auto"] = {"layout": {"param_shard_size": 4, "grad_shard_size": 4,
                                                                         "optimizer_shard_size": 4}}
-    assert planner.asynchzp_sizes(results, "asynchzp:optimizer_shard_size=auto", 4, 8) == (4, 4, 4)
+    assert plan_check.asynchzp_sizes(results, "asynchzp:optimizer_shard_size=auto", 4, 8) == (4, 4, 4)
 
 
 def test_check_zero_prediction_and_wire_bytes(tmp_path, capsys):
@@ -493,19 +494,19 @@ def test_check_zero_prediction_and_wire_bytes(tmp_path, capsys):
     zero3["bytes_per_step"]["intra_node"] = 512  # a few scalars on a figure predicted to be 0
     # Node links carry only the ring edges between nodes: traffic.link_bytes, plus frame and ACK overhead
     # (no network section in the config: MTU 1500 on veth).
-    t = planner.traffic.TrafficInputs(world=results["config"]["nproc"], node_size=results["config"]["node_size"],
+    t = traffic.TrafficInputs(world=results["config"]["nproc"], node_size=results["config"]["node_size"],
                                       grad_accum=results["config"]["grad_accum"], gathered_elements=123_456,
                                       reduced_elements=100_000, trainable_elements=101_000, param_bytes=4,
                                       grad_comm_bytes=4)
-    link = planner.traffic.link_bytes("zero3", t)
+    link = traffic.link_bytes("zero3", t)
     assert link < zero3["bytes_per_step"]["inter_node"]
-    zero3["wire_bytes_inter_node_per_step"] = link * planner.WIRE_OVERHEAD_FACTOR
+    zero3["wire_bytes_inter_node_per_step"] = link * plan_check.WIRE_OVERHEAD_FACTOR
     zero3["link_bytes_inter_node_per_step"] = link
     # The overridden asynchzp arm's link bytes, with its own layout.
     o4 = results["arms"][O4_ARM]
-    o4["link_bytes_inter_node_per_step"] = planner.traffic.link_bytes(O4_ARM, t, 2, 4, 4)
+    o4["link_bytes_inter_node_per_step"] = traffic.link_bytes(O4_ARM, t, 2, 4, 4)
     assert _check(tmp_path, results, capsys)[0] == 0
-    report = planner.check_results(results)
+    report = plan_check.check_results(results)
     assert any(r["quantity"] == "inter_node_wire" and r["ok"] for r in report["rows"])
     assert any(r["arm"] == O4_ARM and r["quantity"] == "inter_node_link" and r["ok"] for r in report["rows"])
     o4["link_bytes_inter_node_per_step"] *= 1.10
@@ -538,7 +539,7 @@ MOE = dict(num_params=47 * 10**9, world=256, node_size=8, grad_accum=8, dtype="b
 def _moe_plan(ep=8, grad_accum=8, tokens=4096, **kw):
     from ds_asynchzp.planner.moe import MoeInputs
     args = dict(MOE, grad_accum=grad_accum, **kw)
-    return planner.plan(**args, moe=MoeInputs(45 * 10**9, ep, tokens, 4096, 2))
+    return cluster_plan.plan(**args, moe=MoeInputs(45 * 10**9, ep, tokens, 4096, 2))
 
 
 def test_moe_plan_splits_dense_expert_and_token_bytes():
@@ -558,14 +559,14 @@ def test_moe_plan_splits_dense_expert_and_token_bytes():
 
 
 def test_moe_expert_bytes_follow_the_expert_layout():
-    from ds_asynchzp.layout import expert_layout
+    from ds_asynchzp.layout import HierarchicalLayout, expert_layout
     one, eight = _moe_plan(grad_accum=1), _moe_plan(grad_accum=8)
     expert = lambda plan, arm: plan["arms"][arm]["by_family"]["expert"]["inter_node"]  # noqa: E731
     # Stock ZeRO-3 moves every expert over its (cross-node) group every micro-step; AsyncHZP once per step.
     assert expert(eight, "zero3") == pytest.approx(8 * expert(one, "zero3"))
     assert expert(eight, "asynchzp") == pytest.approx(expert(one, "asynchzp"))
     # The experts' layout is the engine's: with one member of the group per node, no sharding inside the node.
-    layout = expert_layout(32, 1, planner.HierarchicalLayout(256, 8, 8, 8, 256))
+    layout = expert_layout(32, 1, HierarchicalLayout(256, 8, 8, 8, 256))
     assert (layout.param_shard_size, layout.grad_shard_size, layout.optimizer_shard_size) == (1, 1, 32)
     local = 45 * 10**9 // 8
     assert expert(one, "asynchzp") == pytest.approx((2 + 2) * local * 31 / 32, rel=1e-6)
@@ -592,7 +593,7 @@ def test_plan_cli_prints_families(capsys):
 def test_check_refuses_moe_results_by_name():
     results = {"config": {"model": "moe", "ep_size": 2, "nproc": 4, "node_size": 2}, "arms": {}}
     with pytest.raises(ValueError, match="MoE model.*--check covers dense models only"):
-        planner.check_results(results)
+        plan_check.check_results(results)
 
 
 def test_volume_table_by_flow_passes_formula_flows_and_flags_a_planted_mismatch():
@@ -605,13 +606,13 @@ def test_volume_table_by_flow_passes_formula_flows_and_flags_a_planted_mismatch(
     results = _synthetic_results(elements, with_elements=True)
     del results["arms"]["mystery"], results["arms"][O4_ARM]
     t = dataclasses.replace(_inputs(elements), qgz_elements=60_000)
-    results["arms"]["zeropp"] = {"bytes_per_step": planner.zeropp_bytes(t)}
+    results["arms"]["zeropp"] = {"bytes_per_step": arm_formulas.zeropp_bytes(t)}
     for arm, entry in results["arms"].items():
         sizes = (4, 4, 8) if arm == "asynchzp" else (None, None, None)
         flows = volume.arm_flows(arm, t if arm == "zeropp" else _inputs(elements), *sizes,
-                                 planner.arm_quantization(arm, 8, 4, 4, 4, 8) if arm == "asynchzp" else None)
+                                 arm_formulas.arm_quantization(arm, 8, 4, 4, 4, 8) if arm == "asynchzp" else None)
         entry["bytes_per_step_by_flow"] = {f: {"inter_node": v, "intra_node": 0.0} for f, v in flows.items()}
-    report = planner.check_results(results)
+    report = plan_check.check_results(results)
     flow_rows = [r for r in report["rows"] if r["quantity"].startswith("inter_node ")]
     assert {r["arm"] for r in flow_rows} == {"zero3", "hpz", "zeropp", "asynchzp"} and report["ok"], report["rows"]
     # Each arm's flows add up to its inter-node total.
@@ -625,7 +626,7 @@ def test_volume_table_by_flow_passes_formula_flows_and_flags_a_planted_mismatch(
     moved = 0.10 * flows["backward gather"]["inter_node"]
     flows["backward gather"]["inter_node"] -= moved
     flows["forward gather"]["inter_node"] += moved
-    assert not planner.check_results(planted)["ok"]
+    assert not plan_check.check_results(planted)["ok"]
     assert "| zero3 |" in (table := "\n".join(format_volume_table(planted))) and "off by more than 5 %" in table
     # Quantization scales recorded apart: the payload ratio leaves them out, the total ratio keeps them.
     assert "not recorded" in table
@@ -658,20 +659,20 @@ def test_sequence_parallel_all_to_alls_and_fp32_gradients_in_every_arm():
     assert sp_plan.inter_node_share(16, 16, 8) == pytest.approx(8 / 15)
     assert sp_plan.inter_node_share(4, 16, 8) == 0.0
 
-    with_sp = planner.plan(10**9, 16, 8, grad_accum=2, param_shard_size=8, optimizer_shard_size=16, sp=sp)
-    plain = planner.plan(10**9, 16, 8, grad_accum=2, param_shard_size=8, optimizer_shard_size=16)
+    with_sp = cluster_plan.plan(10**9, 16, 8, grad_accum=2, param_shard_size=8, optimizer_shard_size=16, sp=sp)
+    plain = cluster_plan.plan(10**9, 16, 8, grad_accum=2, param_shard_size=8, optimizer_shard_size=16)
     assert with_sp["inputs"]["grad_comm_bytes"] == 4 and plain["inputs"]["grad_comm_bytes"] == 2
     for arm in ("zero3", "asynchzp"):
         assert with_sp["arms"][arm]["sp_all_to_all"] == inside
     # zero3's bytes: its formula with fp32 gradients, plus the all-to-alls; more than without SP.
-    t = planner.traffic_inputs(10**9, 16, 8, 2, "bf16", grad_comm_bytes=4)
+    t = arm_formulas.traffic_inputs(10**9, 16, 8, 2, "bf16", grad_comm_bytes=4)
     zero3 = traffic.zero3_bytes(t)
     for where in ("intra_node", "inter_node"):
         assert with_sp["arms"]["zero3"]["bytes_per_step"][where] == pytest.approx(zero3[where] + inside[where])
     assert with_sp["arms"]["zero3"]["bytes_per_step"]["inter_node"] > plain["arms"]["zero3"]["bytes_per_step"]["inter_node"]
     assert "every SP group inside a node" in with_sp["sequence_parallel"]["description"]
     with pytest.raises(ValueError, match="multiple of sp"):
-        planner.plan(10**9, 16, 8, sp=sp_plan.SpInputs(sp=4, seq_len=1022, hidden=64, layers=3))
+        cluster_plan.plan(10**9, 16, 8, sp=sp_plan.SpInputs(sp=4, seq_len=1022, hidden=64, layers=3))
 
 
 def test_plan_cli_sp_needs_the_sequence_and_model_shape(capsys):

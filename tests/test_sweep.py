@@ -8,7 +8,7 @@ import json
 import pytest
 
 from ds_asynchzp.formulas import flows
-from ds_asynchzp.bench import cli, sweep
+from ds_asynchzp.bench import cli, plan_check, sweep
 from ds_asynchzp.planner import cli as plan_cli
 from ds_asynchzp.planner import time_model
 
@@ -58,7 +58,7 @@ def _fake_sweep(monkeypatch, measured_100: dict) -> dict:
                            "zero3_knobs": "tuned", "arm_overrides": {}},
                 "arms": {arm: {"median_step_time_s": t, "link_bytes_inter_node_per_step": 1.25e6}
                          for arm, t in times.items()}}
-    monkeypatch.setattr("ds_asynchzp.planner.check_results",
+    monkeypatch.setattr("ds_asynchzp.bench.plan_check.check_results",
                         lambda res: {"link_bytes_per_rank": {}, "wire_overhead_factor": 1.0})
     return {"rates": ["unlimited", "100mbit"], "runs": {}, "reference_arm": "zero3",
             "results": {"unlimited": results({"zero3": 1.0, "asynchzp": 0.8}), "100mbit": results(measured_100)}}
@@ -66,15 +66,15 @@ def _fake_sweep(monkeypatch, measured_100: dict) -> dict:
 
 def test_time_check_passes_a_matching_sweep_and_fails_a_planted_mismatch(monkeypatch):
     # 2 ranks x 1.25 MB = 2.5 MB per node: 0.2 s at 100 Mbit/s; asynchzp hides up to 0.2 s (a micro-step).
-    good = time_model.check_sweep(_fake_sweep(monkeypatch, {"zero3": 1.2, "asynchzp": 0.8}))
+    good = plan_check.check_sweep(_fake_sweep(monkeypatch, {"zero3": 1.2, "asynchzp": 0.8}))
     assert good["ok"] and {r["arm"]: round(r["predicted"], 6) for r in good["rows"]} == {"zero3": 1.2, "asynchzp": 0.8}
-    planted = time_model.check_sweep(_fake_sweep(monkeypatch, {"zero3": 1.2, "asynchzp": 1.2}))
+    planted = plan_check.check_sweep(_fake_sweep(monkeypatch, {"zero3": 1.2, "asynchzp": 1.2}))
     assert not planted["ok"] and [r["arm"] for r in planted["rows"] if not r["ok"]] == ["asynchzp"]
     table = sweep.format_sweep(_fake_sweep(monkeypatch, {"zero3": 1.2, "asynchzp": 1.2}))
     assert "| 100mbit | 833 (1.00x) | 833 (1.00x) |" in table and "MISS" in table
     no_base = _fake_sweep(monkeypatch, {"zero3": 1.2, "asynchzp": 0.8})
     del no_base["results"]["unlimited"]
-    assert not time_model.check_sweep(no_base)["ok"]
+    assert not plan_check.check_sweep(no_base)["ok"]
 
 
 def test_plan_check_reads_a_sweep(tmp_path, monkeypatch, capsys):
@@ -85,7 +85,7 @@ def test_plan_check_reads_a_sweep(tmp_path, monkeypatch, capsys):
     (tmp_path / "sweep.json").write_text(json.dumps({"rates": fake["rates"], "reference_arm": "zero3",
                                                      "runs": {r: f"{sweep.rate_dir(r)}/results.json"
                                                               for r in fake["rates"]}}))
-    monkeypatch.setattr("ds_asynchzp.planner.check_results",
+    monkeypatch.setattr("ds_asynchzp.bench.plan_check.check_results",
                         lambda res: {"ok": True, "rows": [], "notes": [], "link_bytes_per_rank": {},
                                      "wire_overhead_factor": 1.0})
     monkeypatch.setattr(plan_cli, "format_check", lambda report, path: f"bytes {path}")

@@ -37,8 +37,10 @@ from ..measure.json_files import write_json_atomically
 from ..measure.recording import PROGRESS_MARK, RECORD_KEY
 from ..runtime.observers import ENVIRONMENT_VARIABLE
 from .aggregate import aggregate_arm, merge_repeats
+from .arg_types import non_negative_int, positive_float, positive_int
 from .arms import ARMS, ArmSpecError, arm_ds_config, parse_arm_specs
-from .cli import _log_dir_name, _non_negative_int, _positive_float, _positive_int, environment
+from .cli import _log_dir_name
+from .environment import environment
 from .offload import host_state_bytes
 
 PROG = "asynchzp-ab"
@@ -83,16 +85,16 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: %(default)s)")
     parser.add_argument("--config", required=True, type=Path,
                         help="your ZeRO-3 ds_config (JSON); each arm's is written from it into OUT/configs/")
-    parser.add_argument("--steps", type=_positive_int, default=20,
+    parser.add_argument("--steps", type=positive_int, default=20,
                         help="optimizer steps recorded per arm; then the job ends (default: %(default)s)")
-    parser.add_argument("--warmup-steps", type=_non_negative_int, default=1,
+    parser.add_argument("--warmup-steps", type=non_negative_int, default=1,
                         help="first optimizer steps left out of step-time and byte statistics; must be < --steps "
                              "(default: %(default)s)")
-    parser.add_argument("--node-size", type=_positive_int, default=None,
+    parser.add_argument("--node-size", type=positive_int, default=None,
                         help="ranks per node (hpZ's partition, the intra/inter-node split); default: the command's "
                              + "/".join(NODE_SIZE_FLAGS))
     parser.add_argument("--out", type=Path, default=Path("ab_out"), help="output directory (default: %(default)s)")
-    parser.add_argument("--timeout", type=_positive_float, default=1800.0,
+    parser.add_argument("--timeout", type=positive_float, default=1800.0,
                         help="seconds allowed per arm before its command is stopped (default: %(default)s)")
     parser.add_argument("--no-report", action="store_true", help="skip report.md and the plots")
     parser.add_argument("command", nargs=argparse.REMAINDER,

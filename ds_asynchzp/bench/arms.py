@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass, field
 
 from ..formulas.traffic import offload_twin
-from ..planner import QUANTIZED_ARMS
+from ..planner.arm_formulas import QUANTIZED_ARMS
 
 # arm -> (what it is, substring of the optimizer class the worker must find in the engine).
 ARMS = {

@@ -10,25 +10,22 @@ stdout and ``DIR/summary.md``.
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib.metadata
-import os
-import platform
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from ..measure.json_files import write_json_atomically
 from ..layout import expert_members_per_node
+from ..models.gpt import HOST_OVERHEAD_PRESET, MODEL_PRESETS
+from ..models.mixtral import MOE_PRESETS, autoep_config
 from ..planner.moe import UNSUPPORTED_ARMS as MOE_UNSUPPORTED_ARMS
 from .aggregate import aggregate_arm, merge_repeats
+from .arg_types import integer, non_negative_float, non_negative_int, positive_float, positive_int
 from .arms import (ARM_SECTION_KEYS, ARMS, DEFAULT_ARMS, OVERRIDABLE_ARMS, ArmSpec, ArmSpecError, arm_ds_config,
                    arm_zero_keys, parse_arm_spec, parse_arm_specs, zeropp_keys)
+from .environment import environment
 from .launch import prepare_ops
-from .model import HOST_OVERHEAD_PRESET, MODEL_PRESETS
-from .moe_model import MOE_PRESETS, autoep_config
 from .offload import add_offload_figures
 from .progress import StepProgress
 from .table import format_table
@@ -45,48 +42,6 @@ FP16_INITIAL_SCALE_POWER = 8
 STEPS_PER_PRINT = 10**9
 
 
-def _positive_int(text: str) -> int:
-    value = _int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = _int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _int(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-
-
-def _float(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-
-
-def _non_negative_float(text: str) -> float:
-    value = _float(text)
-    if not 0 <= value < float("inf"):  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = _float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="asynchzp-bench",
@@ -100,33 +55,33 @@ def build_parser() -> argparse.ArgumentParser:
                              "BASE:key=value[:key=value]..., e.g. asynchzp:param_shard_size=1:grad_shard_size=2 "
                              "(integers or \"auto\"); the whole spec names the arm in every output "
                              "(default: %(default)s)")
-    parser.add_argument("--nproc", type=_positive_int, default=4,
+    parser.add_argument("--nproc", type=positive_int, default=4,
                         help="ranks (processes) to start (default: %(default)s)")
-    parser.add_argument("--node-size", type=_positive_int, default=2,
+    parser.add_argument("--node-size", type=positive_int, default=2,
                         help="ranks per simulated node; must divide --nproc (default: %(default)s)")
     parser.add_argument("--model", default="small", choices=sorted(MODEL_PRESETS) + sorted(MOE_PRESETS),
                         help="model preset: a byte-level GPT, or moe (a small random transformers Mixtral whose "
                              "experts DeepSpeed's AutoEP spreads over --ep-size ranks; needs transformers) "
                              "(default: %(default)s)")
-    parser.add_argument("--ep-size", type=_positive_int, default=2,
+    parser.add_argument("--ep-size", type=positive_int, default=2,
                         help="with --model moe: AutoEP's expert-parallel size, a divisor of --nproc "
                              "(default: %(default)s)")
-    parser.add_argument("--moe-experts", type=_non_negative_int, default=0,
+    parser.add_argument("--moe-experts", type=non_negative_int, default=0,
                         help="experts per block; 0 = dense MLP (default: %(default)s)")
-    parser.add_argument("--steps", type=_positive_int, default=6, help="optimizer steps (default: %(default)s)")
-    parser.add_argument("--grad-accum", type=_positive_int, default=4,
+    parser.add_argument("--steps", type=positive_int, default=6, help="optimizer steps (default: %(default)s)")
+    parser.add_argument("--grad-accum", type=positive_int, default=4,
                         help="micro-steps per optimizer step (default: %(default)s)")
-    parser.add_argument("--micro-batch", type=_positive_int, default=2,
+    parser.add_argument("--micro-batch", type=positive_int, default=2,
                         help="sequences per rank per micro-step (default: %(default)s)")
-    parser.add_argument("--seq-len", type=_positive_int, default=64, help="tokens per sequence (default: %(default)s)")
+    parser.add_argument("--seq-len", type=positive_int, default=64, help="tokens per sequence (default: %(default)s)")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
                         help="training precision (default: %(default)s)")
-    parser.add_argument("--seed", type=_int, default=1234, help="seed of weights and data (default: %(default)s)")
-    parser.add_argument("--lr", type=_positive_float, default=1e-3, help="AdamW learning rate (default: %(default)s)")
-    parser.add_argument("--warmup-steps", type=_non_negative_int, default=1,
+    parser.add_argument("--seed", type=integer, default=1234, help="seed of weights and data (default: %(default)s)")
+    parser.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate (default: %(default)s)")
+    parser.add_argument("--warmup-steps", type=non_negative_int, default=1,
                         help="first optimizer steps left out of steady-state averages; must be < --steps "
                              "(default: %(default)s)")
-    parser.add_argument("--comm-delay-ms", type=_non_negative_float, default=0.0,
+    parser.add_argument("--comm-delay-ms", type=non_negative_float, default=0.0,
                         help="sleep this many ms before and after each of the package's own collectives (the "
                              "AsyncHZP arms'; stock DeepSpeed's are not delayed), modelling link latency that "
                              "background communication can hide (default: %(default)s)")
@@ -136,9 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "scheduling on), deepspeed (DeepSpeed's defaults), no-overlap (no prefetch, no live "
                              "cache, no overlap: earlier reports' settings) (default: %(default)s)")
     parser.add_argument("--out", default="bench_out", help="output directory (default: %(default)s)")
-    parser.add_argument("--timeout", type=_positive_float, default=900.0,
+    parser.add_argument("--timeout", type=positive_float, default=900.0,
                         help="seconds allowed per arm before its ranks are killed (default: %(default)s)")
-    parser.add_argument("--repeats", type=_positive_int, default=1,
+    parser.add_argument("--repeats", type=positive_int, default=1,
                         help="runs of every arm, interleaved, for min/median timings (default: %(default)s)")
     network = parser.add_argument_group("network")
     network.add_argument("--network", default="auto", choices=["auto", "loopback", "emulated"],
@@ -152,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "the speed-up over zero3 against the rate) (default: %(default)s)")
     network.add_argument("--inter-node-delay", default=None,
                          help="emulated one-way inter-node delay in ms (a userspace relay; default: none)")
-    network.add_argument("--mtu", type=_positive_int, default=9000,
+    network.add_argument("--mtu", type=positive_int, default=9000,
                          help="emulated link MTU; 9000 keeps header overhead near 1 %% (default: %(default)s)")
     parser.add_argument("--no-report", action="store_true", help="skip report.md and the plots")
     return parser
@@ -277,7 +232,7 @@ def arm_unavailable(arm: str, args: argparse.Namespace | None = None) -> str | N
         problems = getattr(args, "_zeropp_problems", None)
         if problems is None:
             from ..ops.zeropp import stock_zeropp_problems
-            from .worker import build_bench_model
+            from ..models.presets import build_bench_model
 
             model = build_bench_model(args.model, args.moe_experts, args.seq_len, seed=0)
             problems = args._zeropp_problems = stock_zeropp_problems(model.named_parameters(), args.nproc)
@@ -335,7 +290,7 @@ def shared_zero3_knobs(args: argparse.Namespace) -> dict:
     live-parameter cache is sized by the model's largest block, counted once per run)."""
     block = getattr(args, "_block_parameters", None)
     if block is None:
-        from .worker import build_bench_model
+        from ..models.presets import build_bench_model
 
         block = largest_block_parameters(build_bench_model(args.model, args.moe_experts, args.seq_len, seed=0))
         args._block_parameters = block
@@ -344,41 +299,6 @@ def shared_zero3_knobs(args: argparse.Namespace) -> dict:
 
 def tokens_per_optimizer_step(args: argparse.Namespace) -> int:
     return args.nproc * args.micro_batch * args.seq_len * args.grad_accum
-
-
-# ------------------------------------------------------------------------------------------- environment
-def _version(distribution: str) -> str | None:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def _git_commit() -> str | None:
-    repo = Path(__file__).resolve().parents[2]
-    if not (repo / "pyproject.toml").is_file():
-        return None  # an installed copy: any repository around it is not this package's source
-    try:
-        done = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              timeout=10, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    commit = done.stdout.strip()
-    return commit if done.returncode == 0 and commit else None
-
-
-def environment() -> dict:
-    from ds_asynchzp import __version__
-
-    return {
-        "torch": _version("torch"),
-        "deepspeed": _version("deepspeed"),
-        "ds_asynchzp": __version__,
-        "python": platform.python_version(),
-        "git_commit": _git_commit(),
-        "host_cpus": os.cpu_count(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
 
 
 def run_config(args: argparse.Namespace) -> dict:
@@ -422,8 +342,8 @@ def run_config(args: argparse.Namespace) -> dict:
 
 
 def _model_parameter_count(args: argparse.Namespace) -> int:
-    from .model import count_parameters
-    from .worker import build_bench_model
+    from ..models.gpt import count_parameters
+    from ..models.presets import build_bench_model
 
     return count_parameters(build_bench_model(args.model, args.moe_experts, args.seq_len, seed=0))["total"]
 

@@ -23,9 +23,10 @@ from __future__ import annotations
 import json
 
 from ..formulas import sizing, traffic
-from ..planner import DTYPE_BYTES, asynchzp_sizes, bench_element_counts
+from ..planner.arm_formulas import DTYPE_BYTES
 from ..planner.offload import arm_placement
 from .arms import OFFLOAD_ARMS, OFFLOAD_OPTIMIZER, parse_arm_spec
+from .plan_check import asynchzp_sizes, bench_element_counts
 
 # Model-state roles (`measure.memory.model_state_bytes`, plus the worker's fp32_grad) that the offload path
 # keeps on the host. grad_primary is stock's own gradient partition: the memory module counts it only where it

@@ -2,8 +2,9 @@
 arm at each link rate, each rate on a freshly built emulated cluster of the same shape, into ``OUT/bw-RATE/`` (a
 complete run: results.json, summary, report). Then ``OUT/sweep.json`` lists the runs, ``OUT/sweep.md`` tabulates
 tokens/s per arm and rate, the speed-up over the reference arm (zero3) and the planner's predicted step time
-(`planner.time_model`, which needs the unshaped run), and ``OUT/speedup_vs_bandwidth.png`` plots the speed-up
-against the rate, as ZeRO++'s evaluation does (its Figures 6 to 8).
+(`planner.time_model` through `plan_check.check_sweep`, which needs the unshaped run), and
+``OUT/speedup_vs_bandwidth.png`` plots the speed-up against the rate, as ZeRO++'s evaluation does (its Figures 6
+to 8).
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from ..planner.time_model import check_sweep, load_sweep
-
+from .plan_check import check_sweep, load_sweep
 from .table import REFERENCE_ARM
+
 UNSHAPED = "unlimited"
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import statistics
 
-from .model import HOST_OVERHEAD_PRESET
+from ..models.gpt import HOST_OVERHEAD_PRESET
 from .offload import format_offload_table
 
 REFERENCE_ARM = "zero3"

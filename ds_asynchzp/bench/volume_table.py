@@ -5,8 +5,8 @@ the planner's formulas (`planner.volume`), and ZeRO++'s published accounting for
 from __future__ import annotations
 
 from ..formulas import traffic
-from ..planner import check_results
 from ..planner import volume
+from .plan_check import check_results
 from .table import MB
 
 
@@ -64,7 +64,7 @@ def _published(arm: str, report: dict, dtype_bytes: float) -> dict | None:
 
 def format_volume_table(results: dict) -> list[str]:
     """Markdown lines: the table, and each arm's ratio to zero3 per micro-step; empty when no arm recorded flows."""
-    from ..planner import DTYPE_BYTES
+    from ..planner.arm_formulas import DTYPE_BYTES
 
     rows, report = volume_rows(results)
     if not rows:

@@ -12,37 +12,11 @@ traffic; the parent averages the per-rank losses.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 # Payload keys the parent must provide (see `ds_asynchzp.bench.cli`).
 PAYLOAD_KEYS = ("arm", "ds_config", "expected_optimizer", "model", "moe_experts", "seq_len", "steps",
                 "grad_accum", "micro_batch", "seed", "node_size")
-
-
-def _model_config(preset: str, moe_experts: int, seq_len: int):
-    from .model import MODEL_PRESETS
-
-    cfg = MODEL_PRESETS[preset]
-    changes = {}
-    if moe_experts:
-        changes["moe_experts"] = moe_experts
-    # The position tables are sized by the config; only grow them when the requested sequence would not fit,
-    # so a shorter --seq-len trains the preset's exact architecture.
-    if seq_len > cfg.seq_len:
-        changes["seq_len"] = seq_len
-    return dataclasses.replace(cfg, **changes) if changes else cfg
-
-
-def build_bench_model(preset: str, moe_experts: int, seq_len: int, seed: int):
-    """The benchmark's model: a byte-level GPT preset (`model.py`), or the AutoEP Mixtral (`moe_model.py`)."""
-    from .moe_model import MOE_PRESETS, build_moe_model
-
-    if preset in MOE_PRESETS:
-        return build_moe_model(preset, seq_len, seed=seed)
-    from .model import build_model
-    return build_model(_model_config(preset, moe_experts, seq_len), seed=seed)
-
 
 PROGRESS_MARK = "asynchzp-bench-step"
 
@@ -81,6 +55,7 @@ def run_arm(payload: dict) -> dict:
     from ds_asynchzp.measure.recording import check_engine, prepare_rank
     from ds_asynchzp.measure.step_recorder import StepRecorder
 
+    from ..models.presets import build_bench_model
     from .data import batch_for
     from .offload import host_state_bytes
 

@@ -83,7 +83,7 @@ def run_arm(payload: dict) -> dict:
     import ds_asynchzp
     from ..measure.memory import model_state_bytes
     from ..bench.data import batch_for
-    from ..bench.model import MODEL_PRESETS, build_model
+    from ..models.gpt import MODEL_PRESETS, build_model
 
     device = _device()
     if payload["backend"] == "gloo" and device.type == "cuda":

@@ -7,10 +7,12 @@
                   --kv-hidden 1024                  # Ulysses sequence parallelism (ALST)
     asynchzp-plan --check bench_out/results.json     # formulas against an asynchzp-bench run
 
-The numbers come from :mod:`ds_asynchzp.planner` (which uses the same traffic formulas, memory model and
-``"auto"`` rule as the engine, and prints which layout ``"auto"`` would choose and why). ``--json`` prints the same content machine-readably. Bandwidths
-left out are the ``async_hzp`` defaults that ``"auto"`` uses (800 and 200 Gbit/s). Exit status: 0, 1 when
-``--check`` finds a difference above 5 %, 2 for bad arguments or an unreadable results.json.
+The numbers come from :mod:`ds_asynchzp.planner.cluster_plan` (which uses the same traffic formulas, memory model
+and ``"auto"`` rule as the engine, and prints which layout ``"auto"`` would choose and why); ``--check`` from
+:mod:`ds_asynchzp.bench.plan_check`, which reads the benchmark's records (a command sits above the tooling it
+drives). ``--json`` prints the same content machine-readably. Bandwidths left out are the ``async_hzp`` defaults
+that ``"auto"`` uses (800 and 200 Gbit/s). Exit status: 0, 1 when ``--check`` finds a difference above 5 %, 2 for
+bad arguments or an unreadable results.json.
 """
 
 from __future__ import annotations
@@ -20,13 +22,15 @@ import json
 import sys
 from pathlib import Path
 
-from .. import planner
-from ..formulas.sizing import BYTES_PER_GB
+from ..bench import plan_check
 from ..bench.records import read_results
+from ..formulas.sizing import BYTES_PER_GB
 from . import offload as offload_plan
 from . import sequence_parallel as sp_plan
+from .arm_formulas import DTYPE_BYTES
+from .cluster_plan import DEFAULT_INTER_BW, DEFAULT_INTRA_BW, plan
+from .inputs import params_from_model_spec, parse_bandwidth, parse_count, parse_memory
 from .moe import MoeInputs
-from .time_model import TIME_RTOL, check_sweep, load_sweep
 
 GB = 1e9  # traffic is shown in decimal gigabytes, memory in GiB (BYTES_PER_GB), as the legend says
 
@@ -63,29 +67,29 @@ def build_parser() -> argparse.ArgumentParser:
                     "step for zero3, hpz, zeropp, asynchzp and asynchzp-q on a given cluster; or --check the "
                     "formulas against an asynchzp-bench results.json.")
     model = parser.add_mutually_exclusive_group()
-    model.add_argument("--params", type=_argtype(planner.parse_count),
+    model.add_argument("--params", type=_argtype(parse_count),
                        help="parameter count, e.g. 7e9, 70B, 1.3M (B = 10^9)")
     model.add_argument("--model-json", metavar="FILE",
                        help='JSON {"layers", "hidden", "vocab", "ffn_hidden"?, "tied"?}; '
                             "params = L*(4h^2 + 2*h*ffn) + vocab*h*(1 if tied else 2), ffn default 4h")
     parser.add_argument("--world", type=_argtype(_positive_int), help="data-parallel ranks")
     parser.add_argument("--node-size", type=_argtype(_positive_int), help="ranks per node; divides --world")
-    parser.add_argument("--intra-bw", type=_argtype(planner.parse_bandwidth),
+    parser.add_argument("--intra-bw", type=_argtype(parse_bandwidth),
                         help="intra-node bandwidth per rank, e.g. 400GB/s (B = bytes, b/bit = bits, G = 10^9); "
                              "default: async_hzp.intra_node_bandwidth_gbps's, 800 Gbit/s")
-    parser.add_argument("--inter-bw", type=_argtype(planner.parse_bandwidth),
+    parser.add_argument("--inter-bw", type=_argtype(parse_bandwidth),
                         help="inter-node bandwidth per rank, e.g. 200Gbit or 25GB/s; default: "
                              "async_hzp.inter_node_bandwidth_gbps's, 200 Gbit/s")
     parser.add_argument("--grad-accum", type=_argtype(_positive_int), default=1,
                         help="micro-steps per optimizer step (default: %(default)s)")
-    parser.add_argument("--device-memory", type=_argtype(planner.parse_memory),
+    parser.add_argument("--device-memory", type=_argtype(parse_memory),
                         help='memory per device, e.g. 80GB (GB = GiB here); "auto" budgets half of it')
-    parser.add_argument("--memory-budget", type=_argtype(planner.parse_memory),
+    parser.add_argument("--memory-budget", type=_argtype(parse_memory),
                         help="model-state budget per rank for \"auto\" (like async_hzp.memory_budget_gb); "
                              "default: half of --device-memory, else detected on this machine")
-    parser.add_argument("--dtype", default="bf16", choices=sorted(planner.DTYPE_BYTES),
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_BYTES),
                         help="parameter and gradient-communication dtype (default: %(default)s)")
-    parser.add_argument("--grad-accum-dtype", default=None, choices=sorted(planner.DTYPE_BYTES),
+    parser.add_argument("--grad-accum-dtype", default=None, choices=sorted(DTYPE_BYTES),
                         help="gradient accumulation dtype, data_types.grad_accum_dtype (default: --dtype)")
     parser.add_argument("--param-shard-size", type=_argtype(_shard_size), default="auto",
                         help='d_p: "auto" or a divisor of --node-size (default: %(default)s)')
@@ -99,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "bytes only; every arm shows device and host memory per rank with and without "
                              "offload, and host<->device bytes per step")
     moe = parser.add_argument_group("mixture of experts (AutoEP)")
-    moe.add_argument("--expert-params", type=_argtype(planner.parse_count),
+    moe.add_argument("--expert-params", type=_argtype(parse_count),
                      help="routed-expert parameters of the whole model (all experts), part of --params; plans "
                           "them over their expert-data-parallel groups, apart from the dense ones")
     moe.add_argument("--ep-size", type=_argtype(_positive_int), default=None,
@@ -135,7 +139,7 @@ def _num_params(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         spec = json.loads(Path(args.model_json).read_text(encoding="utf-8"))
         if not isinstance(spec, dict):
             raise ValueError("it must hold a JSON object")
-        return planner.params_from_model_spec(spec)
+        return params_from_model_spec(spec)
     except (OSError, ValueError) as exc:
         parser.error(f"--model-json {args.model_json}: {exc}")
 
@@ -148,7 +152,7 @@ def _sp_inputs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> sp_
     if missing:
         parser.error(f"--sp needs {', '.join(missing)}")
     return sp_plan.SpInputs(args.sp, args.seq_len, hidden, layers, args.kv_hidden,
-                            grad_comm_bytes=planner.DTYPE_BYTES[args.sp_comm_dtype])
+                            grad_comm_bytes=DTYPE_BYTES[args.sp_comm_dtype])
 
 
 def _rate(bytes_per_s: float) -> str:
@@ -274,14 +278,14 @@ def format_check(report: dict, path: str) -> str:
     if any(r["quantity"] == "inter_node_wire" for r in report["rows"]):
         lines.append(f"inter_node_wire: measured link counters / {report['wire_overhead_factor']:.4f} "
                      "(frame headers and acknowledgements at the run's MTU)")
-    tolerance = (f"within {planner.CHECK_RTOL:.0%} of the prediction (below "
-                 f"{planner.ZERO_PREDICTION_SLACK_BYTES} B where 0 is predicted)")
+    tolerance = (f"within {plan_check.CHECK_RTOL:.0%} of the prediction (below "
+                 f"{plan_check.ZERO_PREDICTION_SLACK_BYTES} B where 0 is predicted)")
     lines.append(f"PASS: every figure {tolerance}" if report["ok"] else f"FAIL: not every figure {tolerance}")
     return "\n".join(lines)
 
 
 def format_time_check(report: dict, path: str) -> str:
-    lines = [f"check {path}: step time against the planner's time model (within {TIME_RTOL:.0%})", ""]
+    lines = [f"check {path}: step time against the planner's time model (within {plan_check.TIME_RTOL:.0%})", ""]
     rows = [["rate", "arm", "unshaped s", "link s", "predicted s", "measured s", "diff", ""]]
     for r in report["rows"]:
         rows.append([r["rate"], r["arm"], f"{r['unshaped_s']:.3f}", f"{r['link_s']:.3f}", f"{r['predicted']:.3f}",
@@ -298,9 +302,9 @@ def format_time_check(report: dict, path: str) -> str:
 def run_sweep_check(path: str, as_json: bool) -> int:
     """A bandwidth sweep's sweep.json: the bytes of every rate's run, then the step times."""
     try:
-        sweep = load_sweep(Path(path))
-        byte_reports = {rate: planner.check_results(res) for rate, res in sweep["results"].items()}
-        time_report = check_sweep(sweep)
+        sweep = plan_check.load_sweep(Path(path))
+        byte_reports = {rate: plan_check.check_results(res) for rate, res in sweep["results"].items()}
+        time_report = plan_check.check_sweep(sweep)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         what = f"missing key {exc}" if isinstance(exc, KeyError) else str(exc)
         print(f"asynchzp-plan: cannot check {path}: {what}", file=sys.stderr)
@@ -320,7 +324,7 @@ def run_check(path: str, as_json: bool) -> int:
         results = read_results(path)
         if isinstance(results, dict) and "runs" in results and "rates" in results:
             return run_sweep_check(path, as_json)
-        report = planner.check_results(results)
+        report = plan_check.check_results(results)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         # A missing key means the file is not an asynchzp-bench results.json (or a much older one).
         what = f"missing key {exc}" if isinstance(exc, KeyError) else str(exc)
@@ -355,13 +359,13 @@ def main(argv: list[str] | None = None) -> int:
     sp = _sp_inputs(args, parser) if args.sp > 1 else None
     # The rates "auto" assumes when the config gives none, so the time columns match its pick.
     default_bandwidths = args.intra_bw is None or args.inter_bw is None
-    intra_bw = planner.DEFAULT_INTRA_BW if args.intra_bw is None else args.intra_bw
-    inter_bw = planner.DEFAULT_INTER_BW if args.inter_bw is None else args.inter_bw
+    intra_bw = DEFAULT_INTRA_BW if args.intra_bw is None else args.intra_bw
+    inter_bw = DEFAULT_INTER_BW if args.inter_bw is None else args.inter_bw
     try:
-        result = planner.plan(_num_params(args, parser), args.world, args.node_size, args.grad_accum, args.dtype,
-                              intra_bw, inter_bw, args.device_memory, args.memory_budget,
-                              args.param_shard_size, args.grad_shard_size, args.optimizer_shard_size,
-                              args.grad_accum_dtype, moe=moe, offload_optimizer=args.offload_optimizer, sp=sp)
+        result = plan(_num_params(args, parser), args.world, args.node_size, args.grad_accum, args.dtype,
+                      intra_bw, inter_bw, args.device_memory, args.memory_budget,
+                      args.param_shard_size, args.grad_shard_size, args.optimizer_shard_size,
+                      args.grad_accum_dtype, moe=moe, offload_optimizer=args.offload_optimizer, sp=sp)
     except ValueError as exc:  # includes AsyncHZPConfigError for an invalid explicit layout
         parser.error(str(exc))
     if default_bandwidths:

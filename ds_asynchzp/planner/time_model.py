@@ -1,5 +1,5 @@
-"""The planner's step-time model on a cluster whose node links run at a given rate, checked against a benchmark's
-bandwidth sweep (`asynchzp-plan --check SWEEP/sweep.json`).
+"""The planner's step-time model on a cluster whose node links run at a given rate (`bench.plan_check` checks it
+against a benchmark's bandwidth sweep: `asynchzp-plan --check SWEEP/sweep.json`).
 
 Inputs: each arm's step time with unshaped links (compute, and communication at memory speed), the bytes its
 flows put on a node link per optimizer step (the ledger's figure of the unshaped run, else the planner's
@@ -30,13 +30,6 @@ messages on slow links.
 """
 
 from __future__ import annotations
-
-import json
-from pathlib import Path
-
-from ..bench.records import read_results
-
-TIME_RTOL = 0.20  # predicted step time against the measured one, relative
 
 
 def runs_on_threads(arm: str, overrides: dict | None = None) -> bool:
@@ -93,55 +86,3 @@ def predicted_step_s(arm: str, unshaped_step_s: float, link_s: float, grad_accum
         return unshaped_step_s + max(0.0, link_s - unshaped_step_s / grad_accum)
     exposed = min(max(unshaped_exposed_s, 0.0), unshaped_step_s) * min(max(crossing_share, 0.0), 1.0)
     return unshaped_step_s - exposed + max(exposed, link_s)
-
-
-def load_sweep(path: Path) -> dict:
-    """A bandwidth sweep's sweep.json (`asynchzp-bench --inter-node-bw A,B,...`) with every rate's results.json
-    read in (``results[rate]``)."""
-    sweep = json.loads(Path(path).read_text(encoding="utf-8"))
-    base = Path(path).parent
-    sweep["results"] = {rate: read_results(base / rel) for rate, rel in sweep["runs"].items()}
-    return sweep
-
-
-def check_sweep(sweep: dict) -> dict:
-    """Predicted against measured median step time of every arm at every shaped rate of a bandwidth sweep
-    (`load_sweep`), from the arm's unshaped step time; bytes from the planner's link formulas."""
-    from ..netem import parse_rate
-    from . import check_results
-
-    rows, notes = [], []
-    results = sweep["results"]
-    unshaped = next((rate for rate in results if parse_rate(rate) is None), None)
-    if unshaped is None:
-        notes.append("the sweep has no unshaped rate ('unlimited'): the model's compute time is unknown; "
-                     "step times not checked")
-        return {"ok": False, "rows": rows, "notes": notes}
-    base = results[unshaped]
-    for rate, res in results.items():
-        bits = parse_rate(rate)
-        if bits is None:
-            continue
-        config = res["config"]
-        checked = check_results(res)
-        predicted_links, overhead = checked["link_bytes_per_rank"], checked["wire_overhead_factor"]
-        for arm, entry in res["arms"].items():
-            unshaped_entry = base["arms"].get(arm) or {}
-            t0 = unshaped_entry.get("median_step_time_s")
-            # The unshaped run's own link bytes where it recorded them: it calibrates the model (its compute
-            # time is an input already), and it holds what the knobs change (a live-parameter cache that keeps
-            # the last blocks of the forward for the backward sends less than the formulas count).
-            link_bytes = unshaped_entry.get("link_bytes_inter_node_per_step", predicted_links.get(arm))
-            if t0 is None or link_bytes is None or entry.get("median_step_time_s") is None:
-                notes.append(f"{rate} {arm}: no unshaped run or no link bytes; not checked")
-                continue
-            overrides = (config.get("arm_overrides") or {}).get(arm, {}).get("async_hzp")
-            link_s = link_seconds(float(link_bytes), int(config["node_size"]), bits, overhead)
-            predicted = predicted_step_s(arm, t0, link_s, int(config["grad_accum"]), overrides,
-                                         unshaped_entry.get("exposed_comm_s_per_step") or 0.0,
-                                         cross_node_share(unshaped_entry.get("timeline")))
-            measured = entry["median_step_time_s"]
-            rel = (measured - predicted) / predicted
-            rows.append({"rate": rate, "arm": arm, "measured": measured, "predicted": predicted,
-                         "link_s": link_s, "unshaped_s": t0, "rel_diff": rel, "ok": abs(rel) <= TIME_RTOL})
-    return {"ok": bool(rows) and all(r["ok"] for r in rows), "rows": rows, "notes": notes}

@@ -4,7 +4,7 @@ DeepSpeed's AutoEP (`"expert_parallel": {"enabled": true, "preset_model": "mixtr
 `model.layers.N.mlp` blocks and replaces each by an expert-parallel layer holding this rank's experts; so the
 model is the `transformers` class itself (a subclass keeps its module names and `config.model_type`), built from
 a config with random weights: nothing is downloaded. Its `forward(idx, targets)` is the byte-level GPT's
-(`model.py`): the mean next-token cross-entropy, so the benchmark and the tests train both alike.
+(`gpt.py`): the mean next-token cross-entropy, so the benchmark and the tests train both alike.
 
 `transformers` is imported on first use only (the dense benchmark does not need it); the tests pin the release
 whose output-recorder registry DeepSpeed 0.19.8's AutoEP understands.
@@ -47,7 +47,7 @@ def _model_class():
 
 
 def build_moe_model(name: str = "moe", seq_len: int = 64, seed: int | None = None):
-    """A random Mixtral of preset `name`, positions up to `seq_len`; seeded like `model.build_model`."""
+    """A random Mixtral of preset `name`, positions up to `seq_len`; seeded like `gpt.build_model`."""
     from transformers import MixtralConfig
 
     try:

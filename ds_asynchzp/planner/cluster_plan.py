@@ -1,0 +1,241 @@
+"""Plan a cluster before training: the layout ``"auto"`` picks and why, and every arm's model-state memory, bytes
+and communication time per optimizer step (`plan`).
+
+The layout comes from :func:`ds_asynchzp.config.resolve_layout` itself (``"auto"`` included, with its reason), the
+arms' figures from `planner.arm_formulas`; `planner.moe`, `planner.offload` and `planner.sequence_parallel` add
+AutoEP's experts, optimizer offload and Ulysses sequence parallelism. Communication time = intra_bytes / intra_bw
++ inter_bytes / inter_bw: an upper bound of the exposed communication (no overlap assumed).
+"""
+
+from __future__ import annotations
+
+from ..config import AsyncHZPConfig, resolve_layout
+from ..errors import AsyncHZPConfigError
+from ..formulas import sizing
+from ..layout import HierarchicalLayout
+from . import moe as moe_plan
+from . import offload as offload_plan
+from . import sequence_parallel as sp_plan
+from .arm_formulas import ARM_DESCRIPTIONS, ARMS, DTYPE_BYTES, arm_bytes, arm_memory, arm_quantization, traffic_inputs
+
+#: Bandwidths "auto" assumes when the plan is given none: the defaults of the config keys
+#: async_hzp.intra_node_bandwidth_gbps / inter_node_bandwidth_gbps.
+DEFAULT_INTRA_BW = 800e9 / 8
+DEFAULT_INTER_BW = 200e9 / 8
+
+
+def _ds_config(world: int, grad_accum: int, dtype: str, grad_accum_dtype: str | None, section: dict,
+               offload_optimizer: bool = False, sp_grad_comm_bytes: int = 4) -> dict:
+    """The ds_config the engine would get for this plan (what resolve_layout reads for "auto")."""
+    config = {"zero_optimization": {"stage": 3}, "gradient_accumulation_steps": grad_accum, "async_hzp": section}
+    if offload_optimizer:
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    if dtype in ("bf16", "fp16"):
+        config[dtype] = {"enabled": True}
+    if grad_accum_dtype is not None:
+        config["data_types"] = {"grad_accum_dtype": grad_accum_dtype}
+    if sp_grad_comm_bytes != 4:   # only the element size matters here: bf16 stands for any 2-byte dtype
+        config["seq_parallel_communication_data_type"] = "bf16"
+    return config
+
+
+def resolve_plan_layout(num_params: int, world: int, node_size: int, sizes: dict, *, grad_accum: int = 1,
+                        dtype: str = "bf16", grad_accum_dtype: str | None = None, budget_bytes: float | None = None,
+                        intra_bw: float | None = None, inter_bw: float | None = None,
+                        offload_optimizer: bool = False, sp: "sp_plan.SpInputs | None" = None) -> dict:
+    """The layout the engine resolves for ``sizes`` (``{"param_shard_size": "auto" | int | None, ...}``), through
+    :func:`ds_asynchzp.config.resolve_layout` itself: ``{"d_p", "d_g", "d_o", "reason", "error"}``; with
+    ``offload_optimizer`` for a ds_config that offloads the optimizer to the host.
+
+    ``error`` is set (and the sizes None) when "auto" finds nothing within the budget; an invalid integer size
+    raises the engine's AsyncHZPConfigError."""
+    section = {"node_size": node_size, **{k: v for k, v in sizes.items() if v is not None}}
+    if budget_bytes is not None:
+        section["memory_budget_gb"] = budget_bytes / sizing.BYTES_PER_GB
+    section["intra_node_bandwidth_gbps"] = (intra_bw or DEFAULT_INTRA_BW) * 8 / 1e9
+    section["inter_node_bandwidth_gbps"] = (inter_bw or DEFAULT_INTER_BW) * 8 / 1e9
+    config = _ds_config(world, grad_accum, dtype, grad_accum_dtype, section, offload_optimizer,
+                        4 if sp is None else sp.grad_comm_bytes)
+    padded = sizing.padded_num_params([num_params], world)  # as the engine counts before d_o is known
+    try:
+        layout = resolve_layout(config, world, node_size, has_client_optimizer=True, num_parameters=padded,
+                                sequence_parallel_size=1 if sp is None else sp.sp)
+    except AsyncHZPConfigError as exc:
+        if "async_hzp.memory_budget_gb" not in exc.keys:
+            raise
+        return {"d_p": None, "d_g": None, "d_o": None, "reason": None, "error": str(exc)}
+    return {"d_p": layout.sizes.param_shard_size, "d_g": layout.sizes.grad_shard_size,
+            "d_o": layout.sizes.optimizer_shard_size, "reason": layout.auto_reason, "error": None}
+
+
+def check_layout(world: int, node_size: int, d_p: int, d_g: int, d_o: int | None = None) -> None:
+    """Raise the engine's own AsyncHZPConfigError when explicit sizes are not a valid layout."""
+    section = {"node_size": node_size, "param_shard_size": d_p, "grad_shard_size": d_g}
+    if d_o is not None:
+        section["optimizer_shard_size"] = d_o
+    resolve_layout({"zero_optimization": {"stage": 3}, "async_hzp": section}, world, node_size,
+                   has_client_optimizer=True)
+
+
+def plan(num_params: int, world: int, node_size: int, grad_accum: int = 1, dtype: str = "bf16",
+         intra_bw: float | None = None, inter_bw: float | None = None, device_memory: int | None = None,
+         memory_budget: float | None = None, param_shard_size: int | str | None = "auto",
+         grad_shard_size: int | str | None = None, optimizer_shard_size: int | str | None = "auto",
+         grad_accum_dtype: str | None = None, moe: "moe_plan.MoeInputs | None" = None,
+         offload_optimizer: bool = False, sp: "sp_plan.SpInputs | None" = None) -> dict:
+    """The whole plan as a JSON-ready dict: inputs, the ``"auto"`` pick and why, and per arm memory, bytes, time.
+
+    Budget for ``"auto"``: ``memory_budget`` if given, else ``sizing.DEFAULT_BUDGET_FRACTION`` of
+    ``device_memory`` (what the engine's default gives on such a device), else ``sizing.default_budget_bytes``
+    of this machine. The sizes follow the config's rules (``grad_shard_size=None`` follows
+    ``param_shard_size``; ``optimizer_shard_size=None`` is the world); ``auto`` is what all three ``"auto"``
+    would choose, ``layout`` what the given sizes resolve to (they are the same by default). If "auto" finds
+    nothing within the budget, the arms are planned with the smallest-memory layout, which the memory columns
+    then flag. ``grad_accum_dtype`` (default: ``dtype``) is ``data_types.grad_accum_dtype``.
+
+    With ``moe`` (AutoEP's routed experts, `planner.moe`), ``d_o`` is the world (the only one AutoEP allows), the
+    layout is chosen for the dense parameters within the budget (the experts' states come on top of it: the
+    memory columns include them, the "auto" pick does not weigh them) and the arms' dense figures are theirs; every arm adds its experts' memory and bytes and the token all-to-all, split under
+    ``by_family``; arms DeepSpeed cannot run with AutoEP are marked ``unavailable``.
+
+    ``offload_optimizer`` (not with ``moe``) resolves the layouts for optimizer states on the host and adds
+    ``auto_without_offload``, ``inputs["offload_optimizer"]``, ``inputs["host_device_bw_bytes_per_s"]`` and per arm
+    an ``offload_optimizer`` entry (:func:`planner.offload.arm_entry`); the other keys keep their no-offload meaning.
+
+    With ``sp`` (Ulysses sequence parallelism, `planner.sequence_parallel`), every arm's gradient flows travel in
+    ``sp.grad_comm_bytes`` values and its bytes include the SP all-to-alls (also apart, as ``sp_all_to_all``);
+    ``"auto"`` resolves as the engine does under SP.
+    """
+    if sp is not None:
+        if moe is not None:
+            raise ValueError("sequence parallelism is not planned together with AutoEP experts (DeepSpeed 0.19.8 "
+                             "refuses AutoEP with SP)")
+        sp_plan.check(sp, world)
+    if moe is not None and offload_optimizer:
+        raise ValueError("optimizer offload is not planned together with AutoEP experts")
+    if moe is not None:
+        moe_plan.check(moe, num_params, world, node_size)
+        num_params -= moe.expert_params
+    if world < 1 or node_size < 1 or world % node_size:
+        raise ValueError(f"node size {node_size} must be >= 1 and divide the world size {world}")
+    if grad_accum < 1:
+        raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
+    for name, value in (("dtype", dtype), ("grad_accum_dtype", grad_accum_dtype or dtype)):
+        if value not in DTYPE_BYTES:
+            raise ValueError(f"{name} must be one of {sorted(DTYPE_BYTES)}, got {value!r}")
+    b, a = DTYPE_BYTES[dtype], DTYPE_BYTES[grad_accum_dtype or dtype]
+
+    if memory_budget is not None:
+        budget, budget_source = float(memory_budget), "given"
+    elif device_memory is not None:
+        budget = device_memory * sizing.DEFAULT_BUDGET_FRACTION
+        budget_source = f"{sizing.DEFAULT_BUDGET_FRACTION:.0%} of device memory"
+    else:
+        budget, budget_source = float(sizing.default_budget_bytes(node_size)), "detected on this machine"
+    common = dict(grad_accum=grad_accum, dtype=dtype, grad_accum_dtype=grad_accum_dtype, budget_bytes=budget,
+                  intra_bw=intra_bw, inter_bw=inter_bw, offload_optimizer=offload_optimizer, sp=sp)
+    auto_sizes = dict.fromkeys(sizing.SIZE_KEYS, "auto")
+    sizes = dict(zip(sizing.SIZE_KEYS, (param_shard_size, grad_shard_size, optimizer_shard_size)))
+    if moe is not None:  # AutoEP allows d_o = world only (config_compat.expert_issues); "auto" picks it
+        auto_sizes["optimizer_shard_size"] = world
+        if sizes["optimizer_shard_size"] in ("auto", None):
+            sizes["optimizer_shard_size"] = world
+        elif sizes["optimizer_shard_size"] != world:
+            raise ValueError(f"optimizer shard size {sizes['optimizer_shard_size']}: with AutoEP experts it must be "
+                             f"the world size {world}")
+    auto = resolve_plan_layout(num_params, world, node_size, auto_sizes, **common)
+    auto.update(budget_bytes=budget, budget_source=budget_source)
+    without_offload = (resolve_plan_layout(num_params, world, node_size, auto_sizes,
+                                           **dict(common, offload_optimizer=False)) if offload_optimizer else None)
+
+    chosen = resolve_plan_layout(num_params, world, node_size, sizes, **common)
+    given = ", ".join(f"{k}={v}" for k, v in sizes.items() if isinstance(v, int))
+    if chosen["error"] is None:
+        d_p, d_g, d_o = chosen["d_p"], chosen["d_g"], chosen["d_o"]
+        source = ("given" if "auto" not in sizes.values() else "auto" + (f" with {given}" if given else ""))
+    else:
+        fixed = {k: v for k, v in sizes.items() if isinstance(v, int)}
+        d_p, d_g, d_o, _ = sizing.smallest_memory_layout(
+            sizing.padded_num_params([num_params], world), world, node_size, param_bytes=b, grad_accum_bytes=a,
+            fixed=fixed, offload_optimizer=offload_optimizer)
+        source = "smallest memory (auto found no fit)"
+
+    arms = {}
+    sp_bytes = None if sp is None else sp_plan.all_to_all_bytes(sp, world, node_size, grad_accum, b)
+    for arm in ARMS:
+        asynchzp = arm.startswith("asynchzp")
+        t = traffic_inputs(num_params, world, node_size, grad_accum, dtype, multiple=d_o if asynchzp else world,
+                           grad_comm_bytes=None if sp is None else sp.grad_comm_bytes)
+        memory = arm_memory(arm, t.trainable_elements, world, node_size, d_p, d_g, b, d_o=d_o, grad_accum_bytes=a)
+        moved = arm_bytes(arm, t, d_p, d_g, d_o)
+        if sp is not None:
+            moved = {w: moved[w] + sp_bytes[w] for w in ("intra_node", "inter_node")}
+        families = None
+        if moe is not None:
+            if arm in moe_plan.UNSUPPORTED_ARMS:
+                arms[arm] = {"description": ARM_DESCRIPTIONS[arm], "unavailable": moe_plan.UNSUPPORTED_ARMS[arm]}
+                continue
+            dense_layout = HierarchicalLayout(world, node_size, d_p, d_g, d_o)
+            expert = moe_plan.expert_bytes(arm, moe, world, node_size, grad_accum, b, dense_layout,
+                                           lambda lay, arm=arm: arm_quantization(
+                                               arm, lay.world, lay.node_size, lay.param_shard_size,
+                                               lay.grad_shard_size, lay.optimizer_shard_size))
+            families = moe_plan.by_family(moved, expert, moe_plan.token_bytes(moe, world, node_size, grad_accum, b))
+            moved = dict(moved, **{w: sum(f[w] for f in families.values()) for w in ("intra_node", "inter_node")})
+            expert_states = moe_plan.expert_memory(arm, moe, world, node_size, dense_layout, b, a)
+            memory = {k: memory.get(k, 0) + expert_states.get(k, 0) for k in set(memory) | set(expert_states)}
+        times = None
+        if intra_bw and inter_bw:
+            intra_s, inter_s = moved["intra_node"] / intra_bw, moved["inter_node"] / inter_bw
+            times = {"intra_node": intra_s, "inter_node": inter_s, "total": intra_s + inter_s}
+        arms[arm] = {
+            "description": ARM_DESCRIPTIONS[arm],
+            "model_state_bytes": memory,
+            "fits_device_memory": None if device_memory is None else memory["total"] <= device_memory,
+            "bytes_per_step": moved,
+            "comm_time_s": times,
+        }
+        if families is not None:
+            arms[arm]["by_family"] = families
+        if sp is not None:
+            arms[arm]["sp_all_to_all"] = sp_bytes
+        if offload_optimizer:
+            arms[arm]["offload_optimizer"] = offload_plan.arm_entry(arm, t, d_p, d_g, d_o, a, device_memory,
+                                                                   None if times is None else times["total"])
+    padded = sizing.padded_num_params([num_params], world)
+    result = {
+        "moe": None if moe is None else {"expert_params": moe.expert_params, "ep_size": moe.ep_size,
+                                         "tokens": moe.tokens, "hidden": moe.hidden, "top_k": moe.top_k,
+                                         "expert_group": dict(zip(("members", "per_node"),
+                                                                  moe_plan.expert_world(moe, world, node_size)))},
+        "inputs": {"params": num_params, "padded_params": padded, "world": world, "node_size": node_size,
+                   "nodes": world // node_size, "grad_accum": grad_accum, "dtype": dtype, "param_bytes": b,
+                   "grad_comm_bytes": b, "grad_accum_bytes": a, "intra_bw_bytes_per_s": intra_bw,
+                   "inter_bw_bytes_per_s": inter_bw, "device_memory_bytes": device_memory},
+        "auto": auto,
+        "layout": {"d_p": d_p, "d_g": d_g, "d_o": d_o, "source": source, "reason": chosen["reason"]},
+        "arms": arms,
+        "assumptions": [
+            "ring model bytes sent per rank per optimizer step; scalar all-reduces left out",
+            "comm time = intra/intra_bw + inter/inter_bw, bandwidths per rank, no overlap with compute",
+            "zeropp: INT8 weight gathers, hpZ secondary per node, INT4 grads; cross-node grads 0.25x of bf16",
+            "asynchzp-q: cross-node gradient exchange and parameter refresh in INT8 blocks of "
+            f"{AsyncHZPConfig.model_fields['quantization_block_size'].default} values plus one fp32 scale each; "
+            "intra-node traffic unquantized",
+            "asynchzp arms: parameters padded to a multiple of d_o, the others' to a multiple of the world",
+            "memory: model states only (no activations, buffers, fragmentation)",
+        ],
+    }
+    if sp is not None:
+        result["sequence_parallel"] = {"sp": sp.sp, "seq_len": sp.seq_len, "hidden": sp.hidden, "layers": sp.layers,
+                                       "kv_hidden": sp.kv_hidden or sp.hidden,
+                                       "inter_node_share": sp_plan.inter_node_share(sp.sp, world, node_size),
+                                       "all_to_all_bytes_per_step": sp_bytes,
+                                       "description": sp_plan.describe(sp, world, node_size)}
+        result["inputs"]["grad_comm_bytes"] = sp.grad_comm_bytes
+        result["assumptions"] += sp_plan.ASSUMPTIONS
+    if offload_optimizer:
+        result["inputs"].update(offload_optimizer=True, host_device_bw_bytes_per_s=sizing.HOST_DEVICE_BW_BYTES_S)
+        result["auto_without_offload"] = without_offload
+        result["assumptions"] += offload_plan.ASSUMPTIONS
+    return result
