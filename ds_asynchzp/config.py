@@ -54,6 +54,9 @@ from .resolved_layout import (DEFAULT_PREFETCH_DEPTH, LayoutSizes, QuantizationS
 
 
 SECTION = "async_hzp"
+# DeepSpeed 0.19.8's process-group timeout when neither the user nor DEEPSPEED_TIMEOUT sets one
+# (`deepspeed/constants.py`: default_pg_timeout, 10 minutes).
+DEEPSPEED_DEFAULT_TIMEOUT_S = 600.0
 _PositiveInt = Annotated[int, Field(ge=1)]
 _ShardSize = Optional[Union[_PositiveInt, Literal["auto"]]]
 
@@ -134,12 +137,14 @@ class AsyncHZPConfig(BaseModel):
         "sharded buffer (that part not below 65536), so that the exchange starts early in the last backward and "
         "follows it closely, even under DeepSpeed's default bucket of 5e8.",
     )
-    comm_timeout_s: float = Field(
-        300.0,
+    comm_timeout_s: Optional[float] = Field(
+        None,
         gt=0,
         allow_inf_nan=False,
         description="Seconds any wait on a collective may take before the run ends with an error naming the "
-        "collective and its group (instead of a hang).",
+        "collective and its group (instead of a hang). Default: the timeout of DeepSpeed's process groups for the "
+        "run: what deepspeed.init_distributed (or torch.distributed.init_process_group) was given, else DeepSpeed's "
+        "default of 10 minutes (the DEEPSPEED_TIMEOUT environment variable, in minutes).",
     )
     issue_order: Literal["auto", "total", "per_thread"] = Field(
         "auto",
@@ -316,6 +321,21 @@ def _grad_accum_steps(ds_config: dict, world: int) -> int:
     return 1
 
 
+def resolve_comm_timeout(section: AsyncHZPConfig, process_group_timeout_s: float | None) -> tuple[float, str]:
+    """The seconds a collective may take, and where they come from: the section's value, else the default process
+    group's timeout (`process_group_timeout_s`, read by the runtime once one exists), else DeepSpeed's default,
+    which `deepspeed.init_distributed` is about to give its groups (10 minutes, or DEEPSPEED_TIMEOUT minutes:
+    DeepSpeed 0.19.8's `deepspeed/constants.py`)."""
+    if section.comm_timeout_s is not None:
+        return section.comm_timeout_s, f"{SECTION}.comm_timeout_s"
+    if process_group_timeout_s is not None:
+        return process_group_timeout_s, "the default process group's, as initialized"
+    minutes = os.environ.get("DEEPSPEED_TIMEOUT")
+    if minutes is not None:
+        return float(int(minutes)) * 60, "DeepSpeed's default, DEEPSPEED_TIMEOUT minutes"
+    return DEEPSPEED_DEFAULT_TIMEOUT_S, "DeepSpeed's default"
+
+
 def resolve_prefetch_depth(section: AsyncHZPConfig, ds_config: dict) -> int:
     """The replay depth: the section's value, else DeepSpeed's prefetch switch decides. A user who turned
     DeepSpeed's prefetch off (``stage3_prefetch_bucket_size: 0``) gets no prefetch from AsyncHZP either, unless the
@@ -460,6 +480,7 @@ def resolve_layout(
     has_client_optimizer: bool = False,
     num_parameters: int | None = None,
     sequence_parallel_size: int = 1,
+    process_group_timeout_s: float | None = None,
 ) -> ResolvedLayout | None:
     """Validate the whole ds_config for AsyncHZP and resolve the group sizes.
 
@@ -472,7 +493,9 @@ def resolve_layout(
     ``communication_data_type``) from the ds_config. ``sequence_parallel_size``:
     Ulysses SP's degree (ALST's mpu); ZeRO still spans the world, but the
     batch arithmetic divides it by ``sp`` and gradients travel in
-    ``seq_parallel_communication_data_type``, as DeepSpeed does. Returns None when the
+    ``seq_parallel_communication_data_type``, as DeepSpeed does.
+    ``process_group_timeout_s``: the default process group's timeout where one exists, the default of
+    ``comm_timeout_s``. Returns None when the
     section is absent or disabled. Pure function of its inputs and the
     environment: no process group is created or used.
     """
@@ -527,8 +550,9 @@ def resolve_layout(
     return ResolvedLayout(
         LayoutSizes(world, node, d_p, d_g, d_o),
         Scheduling(async_comm=section.async_comm, prefetch_depth=resolve_prefetch_depth(section, ds_config),
-                   boundary_bucket_size=section.boundary_bucket_size, comm_timeout_s=section.comm_timeout_s,
-                   issue_order=section.issue_order),
+                   boundary_bucket_size=section.boundary_bucket_size, issue_order=section.issue_order,
+                   **dict(zip(("comm_timeout_s", "comm_timeout_source"),
+                              resolve_comm_timeout(section, process_group_timeout_s)))),
         QuantizationSettings(quantized_weights=section.quantized_weights,
                              quantized_gradients=section.quantized_gradients,
                              quantize_cross_node=section.quantize_cross_node,

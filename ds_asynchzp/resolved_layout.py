@@ -60,8 +60,10 @@ class Scheduling:
     async_comm: bool = True
     prefetch_depth: int = DEFAULT_PREFETCH_DEPTH
     boundary_bucket_size: Optional[int] = None
-    comm_timeout_s: float = 300.0
+    comm_timeout_s: float = 600.0
     issue_order: str = "auto"
+    # Where comm_timeout_s comes from (the section's key, the default process group, DeepSpeed's default).
+    comm_timeout_source: str = "DeepSpeed's default"
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,8 @@ class ResolvedLayout:
             + (f"communication on background threads (prefetch depth {self.scheduling.prefetch_depth})"
                if self.scheduling.async_comm else "communication synchronous (async_comm false)")
         )
+        timeout = self.scheduling.comm_timeout_s
+        text = f"{text}; collectives time out after {timeout:g} s ({self.scheduling.comm_timeout_source})"
         plan = self.quantization_plan()
         if plan.any:
             text = f"{text}; {plan.describe()}"

@@ -6,6 +6,7 @@ checked to leave torch.distributed uninitialized.
 
 import copy
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -347,12 +348,50 @@ def test_prefetch_depth_follows_deepspeeds_prefetch_switch_by_either_name(zero, 
     assert resolve_prefetch_depth(AsyncHZPConfig(prefetch_depth=1), {"zero_optimization": zero}) == 1
 
 
+def test_comm_timeout_defaults_to_deepspeeds_process_group_timeout(monkeypatch):
+    """The section's value, else the default process group's timeout (what init_distributed was given), else
+    DeepSpeed's default: DEEPSPEED_TIMEOUT minutes, else 10 minutes (deepspeed/constants.py)."""
+    import datetime
+
+    from deepspeed import constants
+
+    monkeypatch.delenv("DEEPSPEED_TIMEOUT", raising=False)
+    assert constants.default_pg_timeout == datetime.timedelta(minutes=10), "DeepSpeed's default moved"
+
+    def scheduling(section: dict, group_timeout=None):
+        s = resolve_layout(make(section), 8, 4, process_group_timeout_s=group_timeout).scheduling
+        return s.comm_timeout_s, s.comm_timeout_source
+
+    assert scheduling({}) == (600.0, "DeepSpeed's default")
+    assert scheduling({}, 1800.0) == (1800.0, "the default process group's, as initialized")
+    assert scheduling({"comm_timeout_s": 45}, 1800.0) == (45.0, "async_hzp.comm_timeout_s")
+    monkeypatch.setenv("DEEPSPEED_TIMEOUT", "25")
+    assert scheduling({}) == (1500.0, "DeepSpeed's default, DEEPSPEED_TIMEOUT minutes")
+    assert "collectives time out after 1500 s" in resolve_layout(make({}), 8, 4).describe()
+
+
+def test_the_default_process_groups_timeout_is_read(tmp_path):
+    """What the runtime passes as the default: the timeout torch.distributed.init_process_group was given."""
+    code = ("import datetime, os, torch.distributed as dist\n"
+            "from ds_asynchzp.platform.deepspeed_internals import default_group_timeout_s\n"
+            "assert default_group_timeout_s() is None\n"
+            "dist.init_process_group('gloo', init_method='file://' + os.environ['STORE'], rank=0, world_size=1,\n"
+            "                        timeout=datetime.timedelta(seconds=1234))\n"
+            "print(default_group_timeout_s())\n"
+            "dist.destroy_process_group()\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "STORE": str(tmp_path / "store"), "DS_ACCELERATOR": "cpu"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "1234.0"
+
+
 def test_scheduling_keys_resolve_and_bad_values_name_the_key():
     layout = resolve_layout(make({"async_comm": False, "prefetch_depth": 0, "boundary_bucket_size": 1000,
                                   "comm_timeout_s": 30}), 8, 4)
     assert layout.scheduling == Scheduling(async_comm=False, prefetch_depth=0, boundary_bucket_size=1000,
-                                           comm_timeout_s=30.0)
+                                           comm_timeout_s=30.0, comm_timeout_source="async_hzp.comm_timeout_s")
     assert "communication synchronous" in layout.describe()
+    assert "collectives time out after 30 s (async_hzp.comm_timeout_s)" in layout.describe()
     for key, value in (("async_comm", "yes"), ("prefetch_depth", -1), ("boundary_bucket_size", 0),
                        ("comm_timeout_s", 0)):
         with pytest.raises(AsyncHZPConfigError) as info:

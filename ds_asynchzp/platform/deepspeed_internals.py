@@ -373,6 +373,23 @@ def backend_name(group) -> str:
     return str(torch.distributed.get_backend(group))
 
 
+def default_group_timeout_s() -> float | None:
+    """The timeout of the default process group (what `deepspeed.init_distributed` or
+    `torch.distributed.init_process_group` was given), read from torch's private backend options; None when no group
+    exists or torch no longer keeps it there."""
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    if not torch.distributed.is_initialized():
+        return None
+    try:
+        group = torch.distributed.distributed_c10d._get_default_group()
+        device = torch.device(get_accelerator().device_name())
+        return float(group._get_backend(device).options._timeout.total_seconds())
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
 def comm_backend():
     """The object whose methods every `deepspeed.comm` collective ends in (`deepspeed.comm.comm.cdb`)."""
     module = importlib.import_module("deepspeed.comm.comm")

@@ -16,7 +16,7 @@ from ..formulas.sizing import padded_num_params
 from ..config import ResolvedLayout, load_ds_config, resolve_layout, section_from_ds_config
 from ..errors import AsyncHZPConfigError, AsyncHZPNotActiveError
 from ..config_compat import autoep_size
-from ..platform.deepspeed_internals import ds_comm, engine_class_swapped, hpz_groups_while_built, is_zero_param
+from ..platform.deepspeed_internals import default_group_timeout_s, ds_comm, engine_class_swapped, hpz_groups_while_built, is_zero_param
 from . import observers
 from .engine import engine_class_for
 from .optimizer import HierarchicalZeroOptimizer
@@ -66,7 +66,8 @@ def resolve_for_initialize(*args, **kwargs) -> ResolvedLayout | None:
     return resolve_layout(config, world, None,
                           has_client_optimizer=arguments.get("optimizer") is not None,
                           num_parameters=padded_num_params(_model_numel(model), world) if model is not None else None,
-                          sequence_parallel_size=sp)
+                          sequence_parallel_size=sp,
+                          process_group_timeout_s=default_group_timeout_s() if ds_comm.is_initialized() else None)
 
 
 def _initialize_without_optimizer(layout: ResolvedLayout, arguments: dict):
