@@ -177,7 +177,7 @@ def test_override_arm_config_payload_and_recorded_overrides():
                          name: {"async_hzp": {"node_size": 2, "param_shard_size": 1, "grad_shard_size": 2}}}
     assert cli.run_config(args)["arm_specs"][name] == {"base": "asynchzp",
                                                        "overrides": {"param_shard_size": 1, "grad_shard_size": 2}}
-    assert ":" not in cli._log_dir_name(name)
+    assert ":" not in arms.arm_dir_name(name)
 
 
 def test_asynchzp_sync_arm_is_the_asynchzp_placement_with_synchronous_communication():

@@ -1,7 +1,9 @@
-"""The package's shape: no import cycle between its modules, the tooling starts without DeepSpeed, and a
-pipeline model is refused before DeepSpeed starts anything."""
+"""The package's shape: no import cycle between its modules and no import up its layers (deferred imports
+included), the architecture's drawing and its list of direct deepspeed.comm callers true, the tooling starts
+without DeepSpeed, and a pipeline model is refused before DeepSpeed starts anything."""
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,48 +40,170 @@ def _imports(path: Path, name: str, modules=(), deferred: bool = False) -> set:
     return out
 
 
-def test_no_import_cycle_between_modules():
+def import_graph(deferred: bool = True) -> dict:
+    """Module -> the package modules it imports (deferred imports, inside functions, included by default)."""
     modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
-    graph = {name: {m for m in _imports(path, name, modules) if m in modules and m != name} for name, path in modules.items()}
-    # A package's __init__ that only re-exports its own submodules is not a cycle with them.
+    return {name: {m for m in _imports(path, name, modules, deferred) if m in modules and m != name}
+            for name, path in modules.items()}
+
+
+def find_cycle(graph: dict) -> list:
+    """One import circle of `graph` as a list of modules (first == last), or []."""
     state, stack = {}, []
 
     def visit(node):
         state[node] = "active"
         stack.append(node)
-        for child in graph[node]:
+        for child in sorted(graph.get(node, ())):
             if state.get(child) == "active":
-                cycle = stack[stack.index(child):] + [child]
-                pytest.fail("import cycle: " + " -> ".join(cycle))
+                return stack[stack.index(child):] + [child]
             if child not in state:
-                visit(child)
+                found = visit(child)
+                if found:
+                    return found
         stack.pop()
         state[node] = "done"
+        return []
 
     for name in sorted(graph):
         if name not in state:
-            visit(name)
+            found = visit(name)
+            if found:
+                return found
+    return []
 
 
-# The runtime's layers, lowest first: each may import the ones below it, never one above (deferred imports
-# included). The runtime uses the scheduler and the communication flows, which use the state, which uses the
-# platform (DeepSpeed's private surface, process groups, streams).
-LAYERS = ["platform", "state", "comm", "scheduler", "runtime"]
+# The package's layers, lowest first (docs/ARCHITECTURE.md draws them). A module may import its own layer and
+# the ones below it, never one above, deferred imports included. Definitions (pure: no DeepSpeed, no torch) at
+# the bottom, then the compiled ops, the runtime's layers (platform, state, comm, scheduler, runtime), the public
+# face (the package's __init__), the tooling, and on top the commands (every `cli` and `__main__` module).
+LAYERS = [
+    ("definitions", ("errors", "layout", "quantization", "formulas", "config_compat", "resolved_layout", "config",
+                     "schema")),
+    ("ops", ("ops",)),
+    ("platform", ("platform",)),
+    ("state", ("state",)),
+    ("comm", ("comm",)),
+    ("scheduler", ("scheduler",)),
+    ("runtime", ("runtime",)),
+    ("public face", ("",)),
+    ("netem", ("netem",)),
+    ("planner", ("planner",)),
+    ("models", ("models",)),
+    ("measure", ("measure",)),
+    ("bench", ("bench",)),
+    ("gpu_check", ("gpu_check",)),
+]
+COMMANDS = ("cli", "__main__")
 
 
-def test_runtime_layers_import_downwards_only():
-    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
-    wrong = []
-    for name, path in modules.items():
-        parts = name.split(".")
-        if len(parts) < 2 or parts[1] not in LAYERS:
-            continue
-        level = LAYERS.index(parts[1])
-        for target in _imports(path, name, modules, deferred=True):
-            tparts = target.split(".")
-            if len(tparts) > 1 and tparts[1] in LAYERS and LAYERS.index(tparts[1]) > level:
-                wrong.append(f"{name} imports {target}")
-    assert not wrong, "imports that point up the layers: " + "; ".join(sorted(wrong))
+def layer_of(module: str) -> int:
+    """The index of `module`'s layer; the commands are above every other."""
+    parts = module.split(".")
+    if parts[-1] in COMMANDS:
+        return len(LAYERS)
+    first = parts[1] if len(parts) > 1 else ""
+    for index, (_, members) in enumerate(LAYERS):
+        if first in members:
+            return index
+    raise AssertionError(f"{module} belongs to no layer: add its package or module to LAYERS in this test and to "
+                         "the drawing in docs/ARCHITECTURE.md")
+
+
+def upward_imports(graph: dict) -> list:
+    return sorted(f"{a} imports {b}" for a, targets in graph.items() for b in targets if layer_of(b) > layer_of(a))
+
+
+def test_no_import_cycle_between_modules():
+    cycle = find_cycle(import_graph())
+    assert not cycle, "import cycle: " + " -> ".join(cycle)
+
+
+def test_every_module_imports_its_own_layer_or_below():
+    wrong = upward_imports(import_graph())
+    assert not wrong, "imports that point up the layers: " + "; ".join(wrong)
+
+
+def test_the_layer_checks_catch_a_planted_upward_import_and_a_planted_circle():
+    graph = import_graph()
+
+    def planted(*edges) -> dict:
+        copy = {name: set(targets) for name, targets in graph.items()}
+        for source, target in edges:
+            copy[source].add(target)
+        return copy
+
+    # A deferred import of a tool from the runtime (what initialize once did for asynchzp-ab's key).
+    upward = planted(("ds_asynchzp.runtime.api", "ds_asynchzp.measure.recording"))
+    assert set(upward_imports(upward)) - set(upward_imports(graph)) == {
+        "ds_asynchzp.runtime.api imports ds_asynchzp.measure.recording"}
+    # Circles, checked on the runtime's modules (the layer test above keeps them free of any): one through two
+    # layers, the state importing the communication flow that imports it; one inside a package, deferred.
+    runtime_layers = {i for i, (layer, _) in enumerate(LAYERS) if layer in ("platform", "state", "comm", "scheduler",
+                                                                             "runtime")}
+    runtime = {name for name in graph if layer_of(name) in runtime_layers}
+    assert "ds_asynchzp.platform.process_groups" in runtime and "ds_asynchzp.comm.grad_reduce" in runtime
+
+    def runtime_only(full: dict) -> dict:
+        return {name: targets & runtime for name, targets in full.items() if name in runtime}
+
+    assert find_cycle(runtime_only(graph)) == []
+    two_layers = planted(("ds_asynchzp.state.grad_shards", "ds_asynchzp.comm.grad_reduce"),
+                         ("ds_asynchzp.comm.grad_reduce", "ds_asynchzp.state.grad_shards"))
+    assert find_cycle(runtime_only(two_layers))
+    assert "ds_asynchzp.platform.deepspeed_internals" in graph["ds_asynchzp.platform.process_groups"]
+    one_package = planted(("ds_asynchzp.platform.deepspeed_internals", "ds_asynchzp.platform.process_groups"))
+    assert find_cycle(runtime_only(one_package))
+
+
+def test_the_architecture_draws_every_layer_in_order():
+    text = (PACKAGE.parent / "docs" / "ARCHITECTURE.md").read_text()
+    start = text.index("```text") + len("```text")
+    drawing = text[start: text.index("```", start)].strip().splitlines()
+    # Each line names its layer in its first column (text before two spaces); the separator line is not a layer.
+    drawn = [line.split("  ")[0].strip() for line in drawing if not line.startswith("- ")]
+    assert drawn == ["commands"] + [name for name, _ in reversed(LAYERS)], drawn
+
+
+# What a module may use of deepspeed.comm / torch.distributed without being a caller of it: questions about the
+# world, not communication.
+COMM_QUERIES = {"get_rank", "get_world_size", "is_initialized", "get_world_group", "ReduceOp", "get_local_rank",
+                "get_global_rank", "get_backend", "is_available", "get_process_group_ranks", "GroupMember",
+                "ProcessGroup", "distributed_c10d"}
+COMM_NAMES = ("ds_comm", "dist", "torch.distributed", "deepspeed.comm")
+CALLERS_HEADING = "**Who calls `deepspeed.comm` directly.**"
+CALLERS_LIST = "(a test keeps this list exact):"
+
+
+def direct_comm_callers(package: Path = PACKAGE) -> dict:
+    """Package-relative path -> the deepspeed.comm / torch.distributed operations the module names."""
+    out = {}
+    for path in package.rglob("*.py"):
+        used = {node.attr for node in ast.walk(ast.parse(path.read_text()))
+                if isinstance(node, ast.Attribute) and ast.unparse(node.value) in COMM_NAMES
+                and node.attr not in COMM_QUERIES}
+        if used:
+            out[path.relative_to(package).as_posix()] = sorted(used)
+    return out
+
+
+def documented_comm_callers() -> set:
+    text = (PACKAGE.parent / "docs" / "ARCHITECTURE.md").read_text()
+    paragraph = " ".join(text[text.index(CALLERS_HEADING):].split("\n\n")[0].split())
+    paragraph = paragraph[paragraph.index(CALLERS_LIST):]
+    return set(re.findall(r"`([\w/]+\.py)`", paragraph))
+
+
+def test_the_modules_that_call_deepspeed_comm_are_the_documented_ones(tmp_path):
+    found = direct_comm_callers()
+    assert set(found) == documented_comm_callers(), (
+        f"docs/ARCHITECTURE.md's paragraph {CALLERS_HEADING} must list exactly the modules that call "
+        f"deepspeed.comm / torch.distributed directly: {found}")
+    # Planted: a state module that starts a collective of its own is found.
+    planted = tmp_path / "ds_asynchzp"
+    (planted / "state").mkdir(parents=True)
+    (planted / "state" / "x.py").write_text("def f(t, ds_comm):\n    ds_comm.all_reduce(t)\n    ds_comm.get_rank()\n")
+    assert direct_comm_callers(planted) == {"state/x.py": ["all_reduce"]}
 
 
 @pytest.mark.parametrize("module", ["ds_asynchzp.planner.cli", "ds_asynchzp.netem.cleanup", "ds_asynchzp.config",

@@ -38,8 +38,7 @@ from ..measure.recording import PROGRESS_MARK, RECORD_KEY
 from ..runtime.observers import ENVIRONMENT_VARIABLE
 from .aggregate import aggregate_arm, merge_repeats
 from .arg_types import non_negative_int, positive_float, positive_int
-from .arms import ARMS, ArmSpecError, arm_ds_config, parse_arm_specs
-from .cli import _log_dir_name
+from .arms import ARMS, ArmSpecError, arm_dir_name, arm_ds_config, parse_arm_specs
 from .environment import environment
 from .offload import host_state_bytes
 
@@ -273,7 +272,7 @@ def _arm_environment(arm: str) -> dict:
 def run_arm(args: argparse.Namespace, spec, label: str) -> tuple[list, dict]:
     """Run the command under one arm; its rank records and its provenance, or `ArmFailure`."""
     out = Path(args.out)
-    name = _log_dir_name(spec.name)
+    name = arm_dir_name(spec.name)
     record_dir, log = out / "records" / name, out / "logs" / f"{name}.log"
     for directory in (record_dir, out / "configs", out / "logs"):
         directory.mkdir(parents=True, exist_ok=True)

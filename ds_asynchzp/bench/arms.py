@@ -58,6 +58,12 @@ FORBIDDEN_OVERRIDE_KEYS = {
 ASYNC_COMM_ARMS = {True: "asynchzp", False: "asynchzp-sync"}
 
 
+def arm_dir_name(arm: str) -> str:
+    """An arm's name as its log and record folders spell it: "asynchzp:param_shard_size=1" ->
+    "asynchzp_param_shard_size=1" (no ':' in paths: PATH-like lists, Windows)."""
+    return re.sub(r"[^A-Za-z0-9._=+-]", "_", arm)
+
+
 def arm_zero_keys(base: str) -> dict:
     """The arm's own zero_optimization keys (`ARM_ZERO_KEYS`), a fresh copy for the caller's ds_config."""
     return {k: dict(v) if isinstance(v, dict) else v for k, v in ARM_ZERO_KEYS.get(base, {}).items()}

@@ -10,7 +10,6 @@ stdout and ``DIR/summary.md``.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
 from pathlib import Path
@@ -22,8 +21,8 @@ from ..models.mixtral import MOE_PRESETS, autoep_config
 from ..planner.moe import UNSUPPORTED_ARMS as MOE_UNSUPPORTED_ARMS
 from .aggregate import aggregate_arm, merge_repeats
 from .arg_types import integer, non_negative_float, non_negative_int, positive_float, positive_int
-from .arms import (ARM_SECTION_KEYS, ARMS, DEFAULT_ARMS, OVERRIDABLE_ARMS, ArmSpec, ArmSpecError, arm_ds_config,
-                   arm_zero_keys, parse_arm_spec, parse_arm_specs, zeropp_keys)
+from .arms import (ARM_SECTION_KEYS, ARMS, DEFAULT_ARMS, OVERRIDABLE_ARMS, ArmSpec, ArmSpecError, arm_dir_name,
+                   arm_ds_config, arm_zero_keys, parse_arm_spec, parse_arm_specs, zeropp_keys)
 from .environment import environment
 from .launch import prepare_ops
 from .offload import add_offload_figures
@@ -367,11 +366,6 @@ def _payload(arm: str, args: argparse.Namespace) -> dict:
     }
 
 
-def _log_dir_name(arm: str) -> str:
-    # "asynchzp:param_shard_size=1" -> "asynchzp_param_shard_size=1": no ':' in paths (PATH-like lists, Windows).
-    return re.sub(r"[^A-Za-z0-9._=+-]", "_", arm)
-
-
 def _run_arms(args: argparse.Namespace, results: dict, cluster=None) -> None:
     from ds_asynchzp.bench.launch import launch_local
 
@@ -394,7 +388,7 @@ def _run_arms(args: argparse.Namespace, results: dict, cluster=None) -> None:
                     write_json_atomically(out / "results.json", results)
                 continue
             label = f"[{index}/{total}] {arm}" + (f" (repeat {repeat + 1})" if args.repeats > 1 else "")
-            logs = _log_dir_name(arm)
+            logs = arm_dir_name(arm)
             workdir = out / "logs" / (logs if args.repeats == 1 else f"{logs}-{repeat + 1}")
             print(f"{label}: {args.nproc} ranks ({args.nproc // args.node_size} nodes x {args.node_size})", flush=True)
             started = time.monotonic()
