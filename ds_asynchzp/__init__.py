@@ -24,7 +24,7 @@ from __future__ import annotations
 import importlib
 
 from .config import ResolvedLayout, resolve_layout, section_from_ds_config
-from .errors import AsyncHZPConfigError, AsyncHZPNotActiveError, PartitionWriteError
+from .errors import AsyncHZPConfigError, AsyncHZPNotActiveError, GradientReadMismatch, PartitionWriteError
 
 __version__ = "0.1.0"
 
@@ -55,7 +55,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "initialize", "register", "unregister", "is_registered", "resolve_for_initialize", "ledger",
-    "AsyncHZPConfigError", "AsyncHZPNotActiveError", "PartitionWriteError", "AsyncHZPEngine",
+    "AsyncHZPConfigError", "AsyncHZPNotActiveError", "GradientReadMismatch", "PartitionWriteError", "AsyncHZPEngine",
     "HierarchicalZeroOptimizer",
     "ResolvedLayout", "resolve_layout", "section_from_ds_config", "SUPPORTED_DEEPSPEED_VERSION", "__version__",
     "install_cpu_zeropp_quantizer", "sequence_parallel_loss", "add_observer", "remove_observer",

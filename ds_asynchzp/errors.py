@@ -73,3 +73,8 @@ class GradientMismatchError(RuntimeError):
 class PartitionWriteError(RuntimeError):
     """Code outside DeepSpeed rebound a parameter's partition (`param.ds_tensor.data = ...`) in a layout where the
     other ranks' copies of that partition cannot follow it without a collective (d_p < d_o)."""
+
+
+class GradientReadMismatch(RuntimeError):
+    """A read of the gradient state that needs the window's cross-node sum (a collective) was done by some ranks
+    only (`scheduler/read_agreement.py`)."""

@@ -15,10 +15,19 @@ from ..state.grad_shards import Window
 class AccumulationWindow:
     def hzp_start_window_reduction(self) -> None:
         """The window's last backward is over: submit the cross-node sum of every chunk not yet submitted."""
+        if any(p.grads.window is Window.ACCUMULATING for p in self._hzp_trainable_placements()):
+            self.hzp_read_agreement.window_sum_started()
         for placement in self._hzp_trainable_placements():
             if placement.grads.window is Window.ACCUMULATING:
                 placement.boundary.submit_remaining(placement.grads, self.communication_data_type,
                                                     placement.reduce.inflight)
+
+    def hzp_finish_window_to_read(self, what: str) -> None:
+        """`hzp_finish_window` for a reader outside step() (`what`, as the user calls it): where the window is
+        still open the read starts its cross-node sum, which every rank must do (`ReadAgreement`)."""
+        if any(p.grads.window is Window.ACCUMULATING for p in self._hzp_trainable_placements()):
+            self.hzp_read_agreement.read_starts_window_sum(what)
+        self.hzp_finish_window()
 
     def hzp_finish_window(self) -> None:
         """Sum the window's gradients across nodes into the owners' atoms and wait (collective; idempotent)."""

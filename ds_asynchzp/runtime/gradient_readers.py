@@ -23,7 +23,7 @@ class GradientReaders:
     @property
     def averaged_gradients(self):
         if self._hzp_external_gradient_read():
-            self.hzp_finish_window()
+            self.hzp_finish_window_to_read("optimizer.averaged_gradients")
         return self.__dict__["_hzp_averaged_gradients"]
 
     @averaged_gradients.setter
@@ -39,13 +39,13 @@ class GradientReaders:
 
     def _get_norm_groups(self):
         if self._hzp_external_gradient_read():
-            return self._hzp_gradient_access(super()._get_norm_groups)
+            return self._hzp_gradient_access(super()._get_norm_groups, what="optimizer._get_norm_groups()")
         return super()._get_norm_groups()
 
-    def _hzp_gradient_access(self, call, *args):
+    def _hzp_gradient_access(self, call, *args, what: str = ""):
         """DeepSpeed reads or writes the own gradient atoms (on the current stream): the window must be summed
         first, and the next window's jobs must come after this access."""
-        self.hzp_finish_window()
+        self.hzp_finish_window_to_read(what or f"optimizer.{call.__name__}() (behind deepspeed.utils.safe_*_grad)")
         if self.hzp_offload is not None:
             self.hzp_offload.host_wait()   # the accessors read the host gradients (views some of them return)
         result = call(*args)

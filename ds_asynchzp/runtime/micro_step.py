@@ -93,6 +93,7 @@ class MicroStepHooks:
 
     def hzp_new_micro_step(self) -> None:
         """The engine's forward starts a micro-step: the prefetch replays the recorded fetch order."""
+        self.hzp_read_agreement.forward_started()
         self.hzp_gather.new_sequence()
 
 

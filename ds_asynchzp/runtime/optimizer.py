@@ -46,6 +46,7 @@ from ..comm.step_boundary import StepBoundary
 from ..config import ResolvedLayout
 from ..layout import HierarchicalLayout
 from ..scheduler.context import CommContext, flows_waited_at_once
+from ..scheduler.read_agreement import ReadAgreement
 from ..state.buffer_pool import BufferPool
 from ..state.error_feedback import ErrorFeedback
 from ..state.param_shards import ParamShards
@@ -119,6 +120,8 @@ class HierarchicalZeroOptimizer(ShardAdoption, MicroStepHooks, AccumulationWindo
                                     ds_comm.get_world_size(), scheduling.issue_order,
                                     flows_waited_at_once(scheduling.prefetch_depth, stage3_prefetches(self)),
                                     host_copies=bool(self.offload_optimizer))
+        self.hzp_read_agreement = ReadAgreement.for_engine(ds_comm.get_rank(), ds_comm.get_world_size(),
+                                                           scheduling.comm_timeout_s)
         if self.offload_optimizer:
             self.hzp_offload = HostOffload(self, lambda ds_id: self._hzp_placement_of[ds_id],
                                            self.hzp_comm.copy_stream)

@@ -41,7 +41,7 @@ class StepHooks:
     # ------------------------------------------------------------------------------------------- overflow
     def has_overflow(self, partition_gradients=True):
         if partition_gradients and self._hzp_external_gradient_read():
-            self.hzp_finish_window()
+            self.hzp_finish_window_to_read("optimizer.has_overflow()")
         owners = self._hzp_trainable_placements()
         # Stage 3's own check accumulates into a flag on `self.device`, the host under offload, from the gradient
         # partitions, which are on the device here.

@@ -54,10 +54,12 @@ CLOSED = b"closed"           # the heartbeat of a rank that ended cleanly: its w
 _GENERATION = [0]            # engines made in this process so far: keys of one engine never mix with another's
 
 
-def _default_store():
-    # torch keeps the rendezvous store of the default group private; the monitor is best-effort without it.
+def rendezvous_store():
+    """The default group's rendezvous store, or None. torch keeps it private; what uses it (the monitor, the read
+    agreement) is best-effort without it."""
     getter = getattr(dist.distributed_c10d, "_get_default_store", None)
     return getter() if getter is not None else None
+
 
 
 def host_identity() -> Optional[str]:
@@ -110,7 +112,7 @@ class PeerMonitor:
         self.rank, self.world = rank, world
         self.progress = progress       # () -> this rank's position in its issue order, published with each poll
         self._published = None
-        self.store = store if store is not None else _default_store()
+        self.store = store if store is not None else rendezvous_store()
         _GENERATION[0] += 1
         self.prefix = f"asynchzp/monitor/{_GENERATION[0]}"
         self.host = socket.gethostname()
