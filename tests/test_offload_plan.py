@@ -270,3 +270,13 @@ def test_offload_with_experts_is_refused(capsys):
     assert "--offload-optimizer" in capsys.readouterr().err
     with pytest.raises(ValueError, match="offload"):
         cluster_plan.plan(PSI, WORLD, NODE, moe=MoeInputs(30 * 10**9, 8, 0, 0, 2), offload_optimizer=True)
+
+
+@pytest.mark.parametrize("d_o, expected", [(16, 6 / 22), (8, 2 * 6 / 22)])
+def test_the_plan_states_the_host_device_ratio_and_its_dependence_on_d_o(d_o, expected):
+    """bf16 (a = b = 2), GA 4: (N/d_o)*(4 + b)/(2*a*A + 4 + b) = 0.27 with d_o = N, 0.55 with d_o = N/2."""
+    result = cluster_plan.plan(8 * 10**9, 16, 8, 4, "bf16", optimizer_shard_size=d_o, offload_optimizer=True)
+    text = offload_plan.summary(result)
+    assert f"Host<->device bytes {expected:.2f}x stock's" in text, text
+    assert f"optimizer replicas N/d_o ({16 // d_o} here)" in text
+    assert ("d_o = N would divide them by 2" in text) == (d_o == 8)

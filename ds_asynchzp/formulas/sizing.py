@@ -425,6 +425,7 @@ def choose_layout(
         reason += f" vs {second_text} s for the runner-up {_name(second)}{runner_up_copies}."
     if offload_optimizer and best[2] < world:
         reason += (f" With d_o={best[2]} < {world} ranks, each of the {world // best[2]} optimizer replicas keeps "
-                   "and steps its own host copy.")
+                   f"and steps its own host copy, and copies its own: host<->device bytes are (N/d_o)*(4 + b)/"
+                   f"(2*a*A + 4 + b) of stock offload's, {world // best[2]} times those of d_o={world}.")
     logger.debug(reason)
     return (*best, reason)

@@ -75,6 +75,13 @@ def summary(result: dict) -> str:
                 "host<->device per step")
 
     where = ("inside the node" if layout["d_g"] <= node and node % layout["d_g"] == 0 else "across nodes")
+    copies = {arm: arms[arm]["offload_optimizer"][traffic.HOST_DEVICE + "_bytes_per_step"]["total"]
+              for arm in ("asynchzp", "zero3")}
+    world = result["inputs"]["world"]
+    replicas = world // layout["d_o"]
     return (f"with optimizer offload, asynchzp (d_p={layout['d_p']} d_g={layout['d_g']} d_o={layout['d_o']}) keeps "
             f"its gradient shards {where} (d_g={layout['d_g']}, {node} ranks per node): {figures('asynchzp')}; "
-            f"stock ZeRO-3 offload: {figures('zero3')}; ZeRO++ hpZ offload: {figures('hpz')}")
+            f"stock ZeRO-3 offload: {figures('zero3')}; ZeRO++ hpZ offload: {figures('hpz')}. Host<->device bytes "
+            f"{copies['asynchzp'] / copies['zero3']:.2f}x stock's: (N/d_o)*(4 + b)/(2*a*A + 4 + b), so they grow "
+            f"with the optimizer replicas N/d_o ({replicas} here)"
+            + ("" if replicas == 1 else "; d_o = N would divide them by " + str(replicas)))
