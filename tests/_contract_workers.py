@@ -3,7 +3,8 @@
 Each case runs one sequence of calls (backwards, zero_grad, steps, reads of Stage 3's gradient state, writes into
 a partition, an engine without an optimizer) twice in the same processes, under stock ZeRO-3 and under AsyncHZP,
 and reports what each arm saw: the weights after the sequence (a client SGD with lr 1, so a weight's change is the
-gradient the step used), the values read, the warnings and the error.
+gradient the step used), the values read, the warnings and the error. A case's `plant` is a defect planted in
+AsyncHZP's arm (tests/_fuzz_workers.planted), to show that the comparison catches it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 import ds_asynchzp
 from ds_asynchzp.comm import delay_injection
+from tests._fuzz_workers import planted
 
 IN, HIDDEN = 8, 6
 
@@ -54,7 +56,8 @@ def _config(case: dict, arm: str) -> dict:
                                                              "reduce_bucket_size": 40}
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": case.get("gas", 1),
               "zero_optimization": zero,
-              "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0, "steps_per_print": 10**9}
+              "zero_allow_untested_optimizer": True, "gradient_clipping": case.get("clip", 0.0),
+              "steps_per_print": 10**9}
     if case.get("unmanaged"):
         config["managed_gradient_accumulation"] = False
     if case.get("offload"):
@@ -177,7 +180,11 @@ def run_contract(payload: dict) -> dict:
     for case in payload["cases"]:
         os.environ["DS_ASYNCHZP_COMM_DELAY_MS"] = case.get("comm_delay", "")
         delay_injection.reset()
-        results[case["name"]] = {arm: _arm(case, arm, rank, world) for arm in ("stock", "hzp")}
+        results[case["name"]] = {}
+        for arm in ("stock", "hzp"):
+            # A case's planted defect (tests/_fuzz_workers.planted) applies to AsyncHZP only.
+            with planted(case.get("plant", "") if arm == "hzp" else ""):
+                results[case["name"]][arm] = _arm(case, arm, rank, world)
         print(f"case {case['name']} done", flush=True)
         deepspeed.comm.barrier()
     return results

@@ -85,7 +85,7 @@ def _train(spec: dict, hierarchical: bool) -> dict:
                                                                        if p.requires_grad],
                                         config=ds_config(spec, hierarchical), mpu=mpu)
     toggled = model.toggled_parameters()
-    losses, outside_reads = [], []
+    losses, outside_reads, norms = [], [], []
     for step in range(spec["steps"]):
         for param in toggled:
             param.requires_grad_(step % 2 == 0)
@@ -106,6 +106,7 @@ def _train(spec: dict, hierarchical: bool) -> dict:
             engine.step()
             total += loss.item()
         losses.append(total / spec["gas"])
+        norms.append(float(engine.get_global_grad_norm()))   # what the step clipped with
         if step == spec.get("gathered_read_at"):
             with deepspeed.zero.GatheredParameters([_gathered_param(model)]):
                 outside_reads.append(float(_gathered_param(model).data.double().norm()))
@@ -120,7 +121,7 @@ def _train(spec: dict, hierarchical: bool) -> dict:
     engine.destroy()
     _sequence_parallel_state(1)
     return {"losses": losses, "final": final, "outside_reads": outside_reads, "optimizer": optimizer,
-            "host_optimizer": host_optimizer}
+            "host_optimizer": host_optimizer, "grad_norms": norms}
 
 
 def _compare(stock: dict, ours: dict) -> dict:
@@ -132,7 +133,8 @@ def _compare(stock: dict, ours: dict) -> dict:
             "outside_read_rel_diff": max(reads, default=0.0),
             "bit_identical": ours["losses"] == stock["losses"],
             "losses": ours["losses"], "stock_losses": stock["losses"], "optimizer": ours["optimizer"],
-            "host_optimizer": ours["host_optimizer"], "stock_host_optimizer": stock["host_optimizer"]}
+            "host_optimizer": ours["host_optimizer"], "stock_host_optimizer": stock["host_optimizer"],
+            "stock_grad_norms": stock["grad_norms"]}
 
 
 @contextlib.contextmanager
@@ -174,6 +176,26 @@ def planted(name: str):
 
         def replacement(self, params, at_boundary):
             original(self, params, True)
+    elif name in ("offload_zero_unreduced", "offload_unreduced_in_norm"):
+        # At the boundary, for every parameter the window did not reduce at all: its host gradient is zeroed, or
+        # counted in the norm that clipping reads. Stock's offload neither writes nor counts it: such a parameter
+        # steps with the host gradient of the last window that reduced it, as that step's clipping left it.
+        from ds_asynchzp.platform import deepspeed_internals as internals
+        from ds_asynchzp.runtime import host_offload
+        owner, attribute = host_offload.HostOffload, "finish_window"
+        original = owner.finish_window
+
+        def replacement(self, on_side_stream=False):
+            reduced = internals.offload_reduced_since_step(self.optimizer)
+            unreduced = [p for group in internals.stage3_sub_groups(self.optimizer) for p in group
+                         if p.ds_id not in reduced] if self.pending else []
+            original(self, on_side_stream)
+            for param in unreduced:
+                host = internals.offload_host_grad(self.optimizer, param)
+                if name == "offload_zero_unreduced":
+                    host.zero_()
+                else:
+                    internals.offload_grad_norm(self.optimizer, param, host)
     elif name:
         raise ValueError(f"unknown planted defect {name!r}")
     else:

@@ -97,7 +97,23 @@ CASES += [
              ["boundary", True], ["step"]]},
     {"name": "norm_groups_read_after_backward_offload", "offload": True, "layouts": OFFLOAD_LAYOUTS,
      "comm_delay": READ_DELAY, "ops": [["fb", 1], ["read_norm_groups"], ["step"], ["fb", 2], ["step"]]},
+    # A whole window in which b gets no gradient, after one that reduced it. Stock's offload never writes b's host
+    # gradient in that window (`partition_grads` copies what the last backward reduced; `zero_grad` does not touch the
+    # host buffer): b steps again with the host gradient the step before used, as that step's clipping left it
+    # (clipping scales the host gradients in place), and counts in no norm. Without clipping, and with clipping
+    # that binds on every step (the norm is read in the window without b).
+    {"name": "a_window_without_b_offload", "offload": True, "layouts": OFFLOAD_LAYOUTS,
+     "ops": [["fb", 1], ["step"], ["fb", 2, "skip_b"], ["step"], ["fb", 3], ["step"]]},
+    {"name": "a_window_without_b_clipped_offload", "offload": True, "layouts": OFFLOAD_LAYOUTS, "clip": 0.05,
+     "ops": [["fb", 1], ["step"], ["fb", 2, "skip_b"], ["read_norm_groups"], ["step"], ["fb", 3], ["step"]]},
 ]
+# Defects planted in AsyncHZP's arm (tests/_fuzz_workers.planted), each on the case and layout where it shows: b's host
+# gradient zeroed in the window without b, and counted in the norm that clipping reads (with SGD, unlike the fuzzer's
+# Adam, a changed clipping factor moves the weights by as much).
+PLANTED = {"offload_zero_unreduced": "a_window_without_b_offload",
+           "offload_unreduced_in_norm": "a_window_without_b_clipped_offload"}
+CASES += [dict(next(case for case in CASES if case["name"] == name), name=f"{name}_planted_{plant}", plant=plant,
+               layouts=("2x1-dp1-do2-async-default-knobs",)) for plant, name in PLANTED.items()]
 
 # (ranks, ranks per node, section, d_p, d_o[, DeepSpeed's default ZeRO-3 knobs]); the others partition every
 # parameter and flush small gradient buckets.
@@ -137,8 +153,16 @@ def _case(name):
 
 
 @pytest.mark.parametrize("name", [case["name"] for case in CASES if not case.get("refused_when_rows")
-                                  and not case.get("no_optimizer") and not case.get("own_check")])
+                                  and not case.get("no_optimizer") and not case.get("own_check")
+                                  and not case.get("plant")])
 def test_weights_move_as_under_stock(launched, name):
+    mismatches = _weights_unlike_stock(launched, name)
+    assert not mismatches, mismatches
+
+
+def _weights_unlike_stock(launched, name) -> list:
+    """(rank, parameter, AsyncHZP's change, stock's) of every weight that moved otherwise than under stock."""
+    mismatches = []
     for rank, stock, hzp in _arms(launched, name):
         assert stock["error"] is None, (rank, stock["error"])
         assert hzp["error"] is None, (rank, hzp["error"])
@@ -147,7 +171,17 @@ def test_weights_move_as_under_stock(launched, name):
         for param, want in stock["delta"].items():
             # Stock's offload drops a gradient the window's last backward missed (it never reaches the host).
             assert any(want) or _case(name).get("offload"), f"{name}: stock did not move {param}: checks nothing"
-            assert _rel(hzp["delta"][param], want) <= REL, (rank, param, hzp["delta"][param], want)
+            if _rel(hzp["delta"][param], want) > REL:
+                mismatches.append((rank, param, hzp["delta"][param], want))
+    return mismatches
+
+
+@pytest.mark.parametrize("plant", list(PLANTED))
+def test_a_planted_offload_defect_is_caught(launched, plant):
+    """The comparison can fail: with the defect planted in AsyncHZP, b's weights move otherwise than stock's."""
+    name = f"{PLANTED[plant]}_planted_{plant}"
+    assert any(param.startswith("b.") for _, param, _, _ in _weights_unlike_stock(launched, name)), \
+        f"the planted defect {plant} went unnoticed"
 
 
 @pytest.mark.parametrize("name", [case["name"] for case in CASES if case.get("reopens")])
@@ -194,12 +228,13 @@ def test_a_write_into_a_partition_reaches_the_forward_or_is_refused_by_name(laun
                 assert _rel(hzp["delta"][param], want) <= REL, (rank, param)
 
 
-@pytest.mark.parametrize("name", ["boundary_then_not_offload", "norm_groups_read_after_backward_offload"])
+@pytest.mark.parametrize("name", ["boundary_then_not_offload", "norm_groups_read_after_backward_offload",
+                                  "a_window_without_b_clipped_offload"])
 def test_offload_norms_are_stocks(launched, name):
     """With offload, the norm Stage 3 clips with counts what stock copied to the host: read after the backward,
-    and after a backward that is not the boundary one."""
+    after a backward that is not the boundary one, and in a window without b's gradient (where clipping binds)."""
     for rank, stock, hzp in _arms(launched, name):
-        assert stock["norm_groups"][0] > 0
+        assert stock["norm_groups"][0] > _case(name).get("clip", 0.0)
         assert hzp["norm_groups"] == pytest.approx(stock["norm_groups"], rel=REL), (rank, hzp, stock)
 
 

@@ -47,9 +47,12 @@ LONG_EXTRA_SEEDS = [48]
 # parameter without a gradient in some window, as seed 165's branch gives; run on every CI seed of 4 ranks in
 # nodes of 2 it was caught by 165 alone, first_adds by all). Each demonstrates that the comparison can fail.
 PLANTS = {"zero_stale_gradient": (165,), "first_adds": (2,)}
-# Planted in the offload path, on the offload case where it shows (of the 8 offload cases it changes the 4th only:
-# the one whose boundary copies differ from copying every parameter).
-OFFLOAD_PLANTS = {"offload_every_param": (3,)}
+# Planted in the offload path, each on an offload case where it shows: copying every reduced parameter changes the
+# 4th of the 11 offload cases only (the one whose boundary copies differ from copying every parameter); zeroing the
+# host gradient of a parameter the window did not reduce changes the 9 with a branch taken on whole steps, and runs
+# on the cheapest of them (GA 1, the 7th). Counting that parameter in the norm instead (the contract suite's other
+# plant) moves these cases by under 2e-6: Adam undoes nearly all of a change in the clipping factor.
+OFFLOAD_PLANTS = {"offload_every_param": (3,), "offload_zero_unreduced": (6,)}
 PLANT_KEY = 100000
 # At most this many cases per launch, so that every launch ends well inside its timeout (a case of 8 ranks takes
 # up to 25 s on 2 cores); the CI set is one launch per layout.
@@ -95,6 +98,21 @@ def branch_regression_specs(world: int, node: int) -> list:
 OFFLOAD_LAYOUTS = ((1, 1, 4, 4, True), (2, 2, 4, 1, False), (2, 4, 4, 4, True), (1, 2, 2, 4, False),
                    (2, 2, 4, 2, True))
 OFFLOAD_SEED = 960
+# Clipping at 0.05 binds on these models (their gradient norms are about 0.3); at 1.0 it does not.
+BINDING_CLIP = 0.05
+# A parameter without a gradient in whole windows (a branch taken on odd steps, so none in the first window either):
+# stock's offload never writes its host gradient then (DeepSpeed 0.19.8 stage3.py: `partition_grads` copies only what
+# the window's last backward reduced, `zero_grad` leaves the host buffer alone), so it steps again with the host
+# gradient of the last window that reduced it, as that step's clipping left it (`unscale_and_clip_grads` scales the
+# host gradients in place), and counts in no norm (`norm_for_param_grads` holds the copied ones, emptied after every
+# step). With the step_even cases above (GA 4, binding clipping, DeepSpeed's default knobs) these give every pair of
+# GA 1 or 4, clipping binding or not (on at 1.0, or off), default or tuned knobs, on layouts with d_p < d_o; the
+# first is the model of the report (d_g 2, clipping 1.0, default knobs, 12 steps), with GA 1 for its GA 2.
+# ((d_p, d_g, d_o), gas, clip, knob name, knobs, async, steps)
+SKIPPED_WINDOW_OFFLOAD = (((1, 2, 4), 1, 1.0, "defaults", {}, True, 12),
+                          ((2, 2, 4), 1, BINDING_CLIP, "forced", fuzz_models.FORCED_KNOBS, False, 6),
+                          ((1, 2, 2), 4, 0.0, "random", {"stage3_param_persistence_threshold": 0,
+                                                         "reduce_bucket_size": 64}, True, 6))
 # CI seeds drawn at random, run once more with offload on.
 OFFLOAD_CI_SEEDS = (4, 10, 165)
 OFFLOAD_KEY = 400000
@@ -112,8 +130,13 @@ def offload_specs() -> list:
         spec = _spec_with(OFFLOAD_SEED + i, 4, 2, (d_p, d_g, d_o), {}, "defaults", async_comm,
                           "step_even" if i % 2 == 0 else "micro_even", steps=6)
         spec["model"]["blocks"].append({"kind": "frozen", "hidden": 7, "bias": True, "bf16": False})
-        # Clipping that binds on every other case (norms here are about 0.3): the norm counts what stock copied.
-        specs.append(dict(spec, gas=gas, offload=True, clip=0.05 if i % 2 == 0 else 1.0))
+        # Clipping that binds on every other case: the norm counts what stock copied.
+        specs.append(dict(spec, gas=gas, offload=True, clip=BINDING_CLIP if i % 2 == 0 else 1.0))
+    for i, (layout, gas, clip, knob_name, zero, async_comm, steps) in enumerate(SKIPPED_WINDOW_OFFLOAD):
+        spec = _spec_with(OFFLOAD_SEED + len(OFFLOAD_LAYOUTS) + i, 4, 2, layout, dict(zero), knob_name, async_comm,
+                          "step_odd", steps=steps)
+        spec["model"]["blocks"].append({"kind": "frozen", "hidden": 7, "bias": True, "bf16": False})
+        specs.append(dict(spec, gas=gas, offload=True, clip=clip))
     for seed in OFFLOAD_CI_SEEDS:
         specs.append(dict(fuzz_models.case_spec(seed, sequence_parallel=False), offload=True,
                           key=str(OFFLOAD_KEY + seed)))
@@ -131,12 +154,13 @@ def offload_planted_specs() -> list:
     return _planted_on(offload_specs(), OFFLOAD_PLANTS, OFFLOAD_KEY)
 
 
-def test_the_fuzzer_catches_a_planted_offload_defect(ci_results):
-    """Copying every parameter's gradient to the host at the boundary (the rule without offload) instead of those
-    stock's offload copies is caught."""
-    keys = [int(s["key"]) for s in offload_planted_specs()]
+@pytest.mark.parametrize("plant", list(OFFLOAD_PLANTS))
+def test_the_fuzzer_catches_a_planted_offload_defect(ci_results, plant):
+    """Caught: copying every parameter's gradient to the host at the boundary (the rule without offload) instead of
+    those stock's offload copies; zeroing the host gradient of a parameter without a gradient in the whole window."""
+    keys = [int(s["key"]) for s in offload_planted_specs() if s["plant"] == plant]
     found = failures({k: ci_results[k] for k in keys})
-    assert found, f"the planted offload defect went unnoticed by {len(keys)} cases"
+    assert found, f"the planted offload defect {plant} went unnoticed by {len(keys)} cases"
 
 
 # Ulysses sequence parallelism (ALST's mpu, DeepSpeed's DistributedAttention, the loss aggregated over the SP
@@ -289,8 +313,17 @@ def test_the_fuzzer_catches_a_planted_defect(ci_results, plant):
 def test_optimizer_offload_trains_as_stock_zero3_with_offload(ci_results):
     """With `offload_optimizer: cpu` on both sides: losses within 1e-6 and parameters within 5e-6 of stock, over
     the layouts above; both step with DeepSpeedCPUAdam."""
-    for first in _assert_trained_as_stock(ci_results, offload_specs()):
+    specs = offload_specs()
+    for spec, first in zip(specs, _assert_trained_as_stock(ci_results, specs)):
         assert first["host_optimizer"] == first["stock_host_optimizer"] == "DeepSpeedCPUAdam"
+        if "key" in spec:   # a CI seed's clipping, as drawn
+            continue
+        # The layouts above: clipping binds on every step where they say so, and on none elsewhere.
+        norms = first["stock_grad_norms"]
+        if spec["clip"] == BINDING_CLIP:
+            assert min(norms) > spec["clip"], (spec["seed"], norms)
+        elif spec["clip"]:
+            assert max(norms) < spec["clip"], (spec["seed"], norms)
 
 
 def _assert_trained_as_stock(ci_results: dict, specs: list) -> list:
