@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds_asynchzp.gpu_check import cli
+from ds_asynchzp.formulas import traffic
+from ds_asynchzp.gpu_check import cli, copy_count
+from ds_asynchzp.models.presets import element_counts
 from ds_asynchzp.gpu_check.report import render_markdown, verdict, write_report
 
 
@@ -169,3 +171,35 @@ def test_quick_fits_a_short_slot_and_explicit_flags_win(monkeypatch, tmp_path):
     assert seen["sanitizer_steps"] == 1 and seen["op_cases"] == cli.QUICK["op_cases"]
     cli.main(["--cpu-dry-run", "--out", str(tmp_path)])
     assert seen["steps"] == 50 and seen["ab"] is True and seen["op_cases"] == 300
+
+
+def test_copies_are_counted_from_the_profilers_memcpy_records():
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "args": {"bytes": 4096}},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pageable -> Device)", "args": {"bytes": 16}},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "args": {"bytes": 8192}},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "args": {"bytes": 10**9}},
+        {"ph": "X", "cat": "kernel", "name": "void copy_kernel<float>()", "args": {}}]}
+    assert copy_count.copy_bytes_in_trace(trace) == {"host_to_device": 4112, "device_to_host": 8192}
+
+
+def test_the_counted_ratio_is_set_against_the_formulas():
+    """Counts equal to the formulas' pass; AsyncHZP's copies 1.5 times the formula's fail."""
+    world, node, gas, model, seq = 2, 2, 4, "tiny", 32
+    formula = {}
+    for arm, formula_arm in (("zero3-offload", "zero3"), ("offload", "asynchzp")):
+        counts = element_counts(model, 0, seq, world)
+        inputs = traffic.TrafficInputs(world, node, gas, counts["gathered"], counts["reduced"], counts["trainable"])
+        copies = traffic.host_device_bytes(formula_arm, inputs, world)
+        formula[arm] = {"host_to_device": copies["to_device"], "device_to_host": copies["to_host"]}
+
+    def results(scale):
+        return {arm: [{"host_device_bytes_counted": {d: v * (scale if arm == "offload" else 1)
+                                                     for d, v in formula[arm].items()}}] * world
+                for arm in formula}
+
+    check = copy_count.copy_check(results(1.0), world, node, gas, model, seq)
+    assert check["passed"] and "ratio 0.200 (the formulas': 0.200" in check["summary"], check["summary"]
+    assert not copy_count.copy_check(results(1.5), world, node, gas, model, seq)["passed"]
+    assert copy_count.copy_check({"offload": [{"host_device_bytes_counted": None}]}, world, node, gas, model,
+                                 seq) is None

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from .ab_run import run_ab_check
+from .copy_count import copy_check
 from .ops_checks import bench_ops, check_conformance
 from .report import verdict, write_report
 
@@ -142,7 +143,8 @@ def run_training(args, cuda: bool, work: Path) -> List[Dict]:
                    "warmup_steps": 1 if arm == "sanitized" else args.warmup,
                    "steps": args.sanitizer_steps if arm == "sanitized" else args.steps,
                    "grad_accum": args.grad_accum, "micro_batch": args.micro_batch, "seq_len": args.seq_len,
-                   "sleep_cycles": args.sleep_cycles if arm in ("async", "sanitized", "offload") else 0}
+                   "sleep_cycles": args.sleep_cycles if arm in ("async", "sanitized", "offload") else 0,
+                   "count_copies": arm in OFFLOAD_ARMS}
         env = dict(base_env, **({"TORCH_CUDA_SANITIZER": "1"} if arm == "sanitized" else {}))
         logs = work / arm
         _progress(f"training arm '{arm}': {world} rank(s) over {backend}, {payload['warmup_steps']}+{payload['steps']} "
@@ -163,6 +165,9 @@ def run_training(args, cuda: bool, work: Path) -> List[Dict]:
             sanitizer_reports = [str(path) for path in sorted(logs.glob("rank*.log"))
                                  if SANITIZER_MARK in path.read_text(errors="replace")]
     checks = _training_checks(results, failures, sanitizer_reports, world, backend)
+    copies = copy_check(results, world, node_size, args.grad_accum, args.model, args.seq_len)
+    if copies is not None:
+        checks.append(copies)
     for check in checks:
         if check["name"] == "training arms ran":
             check["details"]["failure tails"] = failure_tails

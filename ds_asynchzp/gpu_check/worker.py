@@ -133,6 +133,19 @@ def run_arm(payload: dict) -> dict:
         # Everything the allocator ever handed out at once (activations included): the ceiling the package's
         # buffers below sit under.
         memory["max_allocated"] = torch.cuda.max_memory_allocated(device)
+    copies = None
+    if payload.get("count_copies") and cuda:
+        # One more step, after the measured ones and their memory figures, under the profiler.
+        from .copy_count import count_copies
+
+        def one_step():
+            for m in range(gas):
+                x, y = batch_for(warmup + steps, m, rank, world, micro, seq, seed=payload["seed"])
+                engine.backward(engine(x.to(device), y.to(device)))
+                engine.step()
+            torch.cuda.synchronize()
+
+        copies = count_copies(one_step)
     # AsyncHZP's own buffers beyond the model states, as the measured steps left them (None for stock ZeRO-3).
     buffers = engine.optimizer.hzp_buffer_bytes() if hasattr(engine.optimizer, "hzp_buffer_bytes") else None
     states = model_state_bytes(engine)
@@ -147,4 +160,4 @@ def run_arm(payload: dict) -> dict:
     return {"rank": rank, "losses": losses, "step_ms": step_ms[warmup:], "memory": memory,
             "comm_busy_ms": {flow: ms / max(1, warmup + steps) for flow, ms in busy.items()},
             "optimizer": optimizer, "device": str(device), "package_buffer_bytes": buffers,
-            "model_state_bytes": states}
+            "model_state_bytes": states, "host_device_bytes_counted": copies}
