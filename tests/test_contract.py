@@ -263,10 +263,12 @@ def test_an_engine_without_an_optimizer_forwards_as_stock_sharded_inside_the_nod
     for rank, stock, hzp in _arms(launched, name):
         assert stock["error"] is None and hzp["error"] is None, (stock["error"], hzp["error"])
         assert stock["optimizer"] == hzp["optimizer"] == "DeepSpeedZeRoOffload"
-        assert hzp["forward"] == stock["forward"], "a gather copies: the forward is bit-identical"
+        # Two forwards, the second after the first has left the hierarchical copies behind: what a gather (or a
+        # corrupted partition) gives shows in the loss, bit for bit. (Nothing steps here, so the parameters'
+        # change is not a check.)
+        assert len(stock["forward"]) == 2 and hzp["forward"] == stock["forward"], (stock["forward"], hzp["forward"])
         hierarchical = 1 < d_p < world and name == "engine_without_optimizer"
         assert stock["hpz"] == 1 and hzp["hpz"] == (d_p if hierarchical else 1)
-        assert all(not any(delta) for delta in hzp["delta"].values()), "nothing trains"
 
 
 def test_offload_states_is_refused_by_name(launched):
