@@ -317,8 +317,8 @@ def train_case(case: dict) -> dict:
         if step == FIRST_STEADY_STEP:
             # Bytes are compared over whole steady steps: a refresh submitted at the end of one step runs into
             # the next, so per-step windows split it by timing; from a quiet point to the end they do not.
-            if hasattr(engine.optimizer, "_hzp_quiesce_params"):
-                engine.optimizer._hzp_quiesce_params()
+            if hasattr(engine.optimizer, "hzp_quiesce_params"):
+                engine.optimizer.hzp_quiesce_params()
             steady_mark = ledger.mark()
         mark, total, step_started = ledger.mark(), 0.0, time.perf_counter()
         for micro in range(case["gas"]):
@@ -354,8 +354,8 @@ def train_case(case: dict) -> dict:
                 shard_diffs.append(_shards_vs_consolidated(engine))
         if case.get("check_padding"):
             steps[-1]["nonzero_padding"] = _nonzero_padding(engine)
-    if hasattr(engine.optimizer, "_hzp_quiesce_params"):
-        engine.optimizer._hzp_quiesce_params()     # the last refresh is in the sequence too
+    if hasattr(engine.optimizer, "hzp_quiesce_params"):
+        engine.optimizer.hzp_quiesce_params()     # the last refresh is in the sequence too
     sequences = _sequences_by_communicator(case_mark)
     steady = ledger.summary(steady_mark, skip_tags=INSPECTION_TAGS)
     steady_steps = case["steps"] - FIRST_STEADY_STEP

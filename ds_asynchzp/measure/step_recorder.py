@@ -160,7 +160,7 @@ class StepRecorder:
         # the node's namespace): what really crossed between nodes, headers included.
         self.link_counter = node_link_counter() if read_link_counter and rank % node_size == 0 else None
         self._barrier = barrier if read_link_counter else None
-        self._quiesce = getattr(engine.optimizer, "_hzp_quiesce_params", None)
+        self._quiesce = getattr(engine.optimizer, "hzp_quiesce_params", None)
         self.steps: list = []
         self.model_states = None
         self.fp32_grad_bytes = None

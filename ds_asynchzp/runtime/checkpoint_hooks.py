@@ -10,13 +10,13 @@ from __future__ import annotations
 
 class CheckpointHooks:
     def load_state_dict(self, *args, **kwargs):
-        self._hzp_quiesce_params()
+        self.hzp_quiesce_params()
         result = super().load_state_dict(*args, **kwargs)
         self._hzp_refresh_loaded()
         return result
 
     def _load_universal_checkpoint(self, *args, **kwargs):
-        self._hzp_quiesce_params()
+        self.hzp_quiesce_params()
         result = super()._load_universal_checkpoint(*args, **kwargs)
         self._hzp_refresh_loaded()
         return result

@@ -62,7 +62,7 @@ class MicroStepHooks:
         """A caller changed a gathered parameter (`GatheredParameters(modifier_rank=r)`). DeepSpeed broadcast it
         from rank r of the parameter's partition group; with d_o < N that group is one optimizer group of
         several, so the first group's value is broadcast to the others, as stock ZeRO-3 has one source for all."""
-        self._hzp_quiesce_params()
+        self.hzp_quiesce_params()
         placement = self._hzp_placement_of[param.ds_id]
         outer = placement.groups.outer_replica
         if outer.size > 1:
@@ -85,7 +85,7 @@ class MicroStepHooks:
             self._hzp_placement_of[param.ds_id].shards.buffer_of(param).note_host_access()
             self.hzp_partition_watch.record()
 
-    def _hzp_quiesce_params(self) -> None:
+    def hzp_quiesce_params(self) -> None:
         """Before the parameter shards are rewritten: no gather may read them, no refresh may write them."""
         self.hzp_gather.pause()
         for placement in self.hzp_placements:

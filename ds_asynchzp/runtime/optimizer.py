@@ -227,7 +227,7 @@ class HierarchicalZeroOptimizer(ShardAdoption, MicroStepHooks, AccumulationWindo
             for placement in self._hzp_trainable_placements():
                 placement.reduce.drain()
                 placement.boundary.end_window()
-            self._hzp_quiesce_params()
+            self.hzp_quiesce_params()
         finally:
             self.hzp_comm.close()
             self.hzp_pool.clear()
