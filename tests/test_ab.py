@@ -28,7 +28,7 @@ AB = [str(Path(sys.executable).with_name("asynchzp-ab"))] if Path(sys.executable
     else [sys.executable, "-m", "ds_asynchzp.bench.ab"]
 DEEPSPEED = str(Path(sys.executable).with_name("deepspeed"))
 RUN_TIMEOUT_S = 900
-# The arms of the acceptance run: stock ZeRO-3, ZeRO++ hpZ, ZeRO++ (hpZ + qwZ + qgZ), AsyncHZP.
+# The arms of the acceptance run: stock ZeRO-3, ZeRO++ hpZ, ZeRO++ (hpZ + qwZ + qgZ), AsyncHZP.
 ALL_ARMS = "zero3,hpz,zeropp,asynchzp"
 
 
@@ -194,7 +194,7 @@ def _check_acceptance_run(out: Path, steps: int) -> dict:
     assert hzp["losses"][-1] < hzp["losses"][0], hzp["losses"]
     assert hzp["optimizer_class"] == "HierarchicalZeroOptimizer"
     assert zero3["optimizer_class"] == "DeepSpeedZeroOptimizer_Stage3"
-    # fp32, the same sums: within 1e-6 relative (the bound; bit-identical on this placement in practice).
+    # fp32, the same sums: within 1e-6 relative (the parity bound; bit-identical on this placement in practice).
     for a, b in zip(hzp["losses"], zero3["losses"]):
         assert abs(a - b) <= 1e-6 * abs(b), (hzp["losses"], zero3["losses"])
     flows = hzp["bytes_per_step_by_flow"]
