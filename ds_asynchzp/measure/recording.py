@@ -11,9 +11,9 @@ variable ``DS_ASYNCHZP_OBSERVERS`` (`runtime.observers`), so that `ds_asynchzp.i
   engine's ``forward``, ``backward`` and ``step`` so that a `StepRecorder` sees every optimizer step as the engine
   does: the losses handed to ``backward``, the time from the step's first forward to its optimizer step (the
   device synchronised), the ledger's bytes;
-* after the last recorded step, every rank writes ``<out>/rank<N>.json``, waits for the others, shuts the engine
-  down and ends the script as ``sys.exit(0)`` would (`end_script`): its ``finally`` blocks and exit handlers run,
-  the code after its training loop does not. The script need not know it is being measured.
+* after the last recorded step, every rank writes ``<out>/rank<N>.json``, waits for the others and ends the
+  script as ``sys.exit(0)`` would (`end_script`): its ``finally`` blocks and exit handlers run, with the engine
+  still up, the code after its training loop does not; the engine is shut down at exit. The script need not know it is being measured.
 
 The key is the tool's; DeepSpeed ignores top-level keys it does not know, so a stock arm's config is otherwise
 the user's own.
@@ -137,7 +137,7 @@ class EngineRecording:
         self._boundary = False
         self._finished = False
         # Registered before the script's own handlers that follow, so it runs after them.
-        atexit.register(_teardown)
+        atexit.register(_teardown, engine)
         watch_engine(engine, self)
 
     def forward_begun(self, engine) -> None:
@@ -188,8 +188,9 @@ class EngineRecording:
             self._finish()
 
     def _finish(self) -> None:
-        """Write this rank's record, wait for every rank's, shut the engine down, and end the script as a normal
-        exit would (`end_script`): the arm has what it came for."""
+        """Write this rank's record, wait for every rank's, and end the script as a normal exit would (`end_script`):
+        the arm has what it came for. The engine stays up for the script's `finally` blocks and exit handlers (a
+        checkpoint saved there works); `_teardown` shuts it down at exit."""
         if self._finished:
             return
         self._finished = True
@@ -199,21 +200,26 @@ class EngineRecording:
         write_json_atomically(os.path.join(self.settings.out_dir, f"rank{self.rank}.json"), record, indent=None)
         # No rank leaves while a peer may still be in the last step's collectives.
         self._barrier()
-        destroy = getattr(self.engine, "destroy", None)
-        if destroy is not None:
-            destroy()   # the package's threads and peer monitor stop before any rank leaves
         if self.rank == 0:
             print(f"[ds_asynchzp] asynchzp-ab: arm {self.settings.arm}: {self.settings.steps} optimizer steps "
                   f"recorded in {self.settings.out_dir}; ending the job", flush=True)
         end_script(self.settings.arm)
 
 
-def _teardown() -> None:
-    """At interpreter exit, after the script's own exit handlers (registered later, run earlier): the process
-    group, and the shared-memory workspace DeepSpeed's CPU communication op leaves per rank (66 MiB of RAM each),
-    which nothing else removes once the job is ended here; every rank has passed the last barrier."""
+def _teardown(engine) -> None:
+    """At interpreter exit, after the script's own exit handlers registered once the engine was built (they run
+    earlier): the engine (its threads stop and its peer monitor says this rank ended cleanly, so a peer still in its
+    own exit code is not ended for it), the process group, and the shared-memory workspace DeepSpeed's CPU
+    communication op leaves per rank (66 MiB of RAM each), which nothing else removes once the job is ended here."""
     import torch
 
+    destroy = getattr(engine, "destroy", None)
+    if destroy is not None:
+        try:
+            destroy()
+        except Exception as error:  # the script may have shut it down itself; exit goes on
+            print(f"[ds_asynchzp] asynchzp-ab: engine shutdown at exit: {type(error).__name__}: {error}",
+                  file=sys.stderr, flush=True)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     if os.environ.get("LOCAL_RANK") == "0" and os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
@@ -225,8 +231,8 @@ def _teardown() -> None:
 
 def end_script(arm: str, grace_s: float = EXIT_GRACE_S) -> None:
     """End the user's script after its last recorded step as `sys.exit(0)` would: `SystemExit` unwinds it, so its
-    `finally` blocks and `with` exits run, then its `atexit` handlers, then `_teardown`; code after the training
-    loop does not run. Where the script does not end (it caught `SystemExit`, or a thread it did not make a daemon
+    `finally` blocks and `with` exits run (the engine still up), then its `atexit` handlers, then `_teardown`; code
+    after the training loop does not run. Where the script does not end (it caught `SystemExit`, or a thread it did not make a daemon
     keeps it alive), a daemon thread ends the process after `grace_s` and says what that cut off."""
 
     def cut_off() -> None:
