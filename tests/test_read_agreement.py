@@ -47,6 +47,9 @@ class FakeStore:
     def check(self, keys):
         return all(k in self.values for k in keys)
 
+    def delete_key(self, key):
+        return self.values.pop(key, None) is not None
+
 
 def test_the_agreement_refuses_a_peer_that_went_on_and_waits_for_one_that_reads():
     """Two ranks on one store, as two ReadAgreements of the same engine."""
@@ -81,3 +84,19 @@ def test_the_agreement_refuses_a_peer_that_went_on_and_waits_for_one_that_reads(
         peer.forward_started()
     waiting.join(timeout=5)
     assert failure and "1 of 2 ranks did the read" in failure[0], failure
+
+
+def test_a_windows_keys_are_deleted_two_windows_later_and_one_rank_uses_none():
+    store = FakeStore()
+    agreement = ReadAgreement(store, 0, 2, 7, 5.0)
+    for _ in range(6):
+        for _ in range(3):
+            agreement.forward_started()
+        agreement.window_sum_started()
+    windows = {key.split("/")[3] for key in store.values}
+    assert windows == {"w4", "w5"}, sorted(store.values)   # the two last windows; the next one adds its own
+    alone = FakeStore()
+    single = ReadAgreement(alone, 0, 1, 8, 5.0)
+    single.forward_started()
+    single.read_starts_window_sum("a read")
+    assert alone.values == {}

@@ -13,10 +13,12 @@ by the window's index `w` (window sums this rank started) and the forwards `m` i
 * a rank reading after `m` forwards adds 1 to ``w/read<m>`` and waits until all `world` ranks have, or until a
   peer has started forward `m + 1` or recorded a mismatch (then it raises).
 
-The bound: a mismatch ends the reading rank as soon as a peer starts its next forward (polling every
-`POLL_S`); where no peer starts one (every peer blocked in a collective the reader did not issue, such as the
-window's own sum in its last backward), the wait ends at `comm_timeout_s`, as any other. The cost: two store
-operations per forward, none per collective.
+The bound: a mismatch ends the reading rank as soon as a peer starts its next forward (polled at most every
+`MAX_POLL_S`), and a peer that starts a forward after the read was announced at that forward. A peer that had
+started its next forward before the read was announced, or that is blocked in a collective the reader did not
+issue (the window's own sum in its last backward), learns of it when the reader's process ends (the peer
+monitor), or at `comm_timeout_s`. The cost: two store operations per forward on more than one rank, none per
+collective; rank 0 deletes a window's keys two windows later, so the store holds a bounded number of them.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from typing import Optional
 from ..errors import GradientReadMismatch
 from .peer_monitor import rendezvous_store
 
-POLL_S = 0.005
+POLL_S = 0.005        # the first wait between two looks at the store; doubled up to MAX_POLL_S
+MAX_POLL_S = 0.1
 _INSTANCES = itertools.count()   # engines made in this process: each rank makes them in the same order
 
 
@@ -40,6 +43,7 @@ class ReadAgreement:
         self.prefix = f"asynchzp/{instance}/reads"
         self.window = 0      # window sums this rank has started
         self.forwards = 0    # forwards started in the current window
+        self._forwards_of: dict = {}   # window -> its forwards, until rank 0 deletes its keys
 
     @classmethod
     def for_engine(cls, rank: int, world: int, timeout_s: float) -> "ReadAgreement":
@@ -54,7 +58,7 @@ class ReadAgreement:
     def forward_started(self) -> None:
         """Called at every forward of the engine, before it issues anything."""
         self.forwards += 1
-        if self.store is None:
+        if self.store is None or self.world == 1:
             return
         self.store.add(self._key(f"fwd{self.forwards}"), 1)
         if self.world > 1 and self._count(f"read{self.forwards - 1}"):
@@ -66,8 +70,18 @@ class ReadAgreement:
 
     def window_sum_started(self) -> None:
         """A window's cross-node sum starts here (its last backward, `step`, `zero_grad`, or a read)."""
+        self._forwards_of[self.window] = self.forwards
         self.window += 1
         self.forwards = 0
+        old = self.window - 3
+        if old in self._forwards_of:
+            forwards = self._forwards_of.pop(old)
+            if self.rank == 0 and self.store is not None and self.world > 1:
+                # Every rank has left that window two windows ago: the sum of the window after it needed them all.
+                for m in range(forwards + 1):
+                    for name in (f"fwd{m}", f"read{m}", f"read{m}/what"):
+                        self.store.delete_key(self._key(name, old))
+                self.store.delete_key(self._key("mismatch", old))
 
     def read_starts_window_sum(self, what: str) -> None:
         """Before a read (`what`, as the user wrote it) starts the window's cross-node sum: wait until every rank
@@ -77,18 +91,20 @@ class ReadAgreement:
         point = f"read{self.forwards}"
         self.store.set(self._key(f"{point}/what"), what)
         self.store.add(self._key(point), 1)
-        deadline = time.monotonic() + self.timeout_s
+        deadline, pause = time.monotonic() + self.timeout_s, POLL_S
         while self._count(point) < self.world:
             went_on = self._count(f"fwd{self.forwards + 1}")
             mismatch = self.store.check([self._key("mismatch")])
             if went_on or mismatch or time.monotonic() > deadline:
                 why = ("ranks went on to their next forward instead" if went_on or mismatch else
                        f"not every rank did it within {self.timeout_s:g} s (async_hzp.comm_timeout_s)")
-                raise GradientReadMismatch(_with_fix(
-                    f"rank {self.rank} read the gradients inside an accumulation window ({what}), which needs the "
-                    f"window's cross-node sum, a collective: {self._count(point)} of {self.world} ranks did the "
-                    f"read, and {why}"))
-            time.sleep(POLL_S)
+                message = (f"rank {self.rank} read the gradients inside an accumulation window ({what}), which "
+                           f"needs the window's cross-node sum, a collective: {self._count(point)} of {self.world} "
+                           f"ranks did the read, and {why}")
+                self.store.set(self._key("mismatch"), message)
+                raise GradientReadMismatch(_with_fix(message))
+            time.sleep(pause)
+            pause = min(2 * pause, MAX_POLL_S)
 
     def _read_name(self, forwards: int) -> str:
         key = self._key(f"read{forwards}/what")
