@@ -71,8 +71,9 @@ class GradientMismatchError(RuntimeError):
 
 
 class PartitionWriteError(RuntimeError):
-    """Code outside DeepSpeed rebound a parameter's partition (`param.ds_tensor.data = ...`) in a layout where the
-    other ranks' copies of that partition cannot follow it without a collective (d_p < d_o)."""
+    """Code outside DeepSpeed rebound a parameter's partition (`param.ds_tensor.data = ...`) or wrote it in place, in a
+    layout where the other ranks' copies of that partition cannot follow it without a collective (d_p < d_o, or
+    d_o < the world)."""
 
 
 class GradientReadMismatch(RuntimeError):

@@ -17,7 +17,7 @@ from ds_asynchzp.planner import offload as offload_plan
 from ds_asynchzp.planner.moe import MoeInputs
 
 GIB = 2**30
-# The brief's example: 70B bf16 parameters, 2 nodes of 8 ranks, 80 GB devices, 8 micro-steps per step.
+# The worked example: 70B bf16 parameters, 2 nodes of 8 ranks, 80 GB devices, 8 micro-steps per step.
 PSI, WORLD, NODE = 70 * 10**9, 16, 8
 ARGV_70B = ["--params", "70B", "--world", "16", "--node-size", "8", "--device-memory", "80GB", "--grad-accum", "8"]
 
@@ -68,7 +68,7 @@ def test_host_device_bytes_by_hand():
     assert ours == {"to_host": pytest.approx(4 * 250), "to_device": pytest.approx(2 * 280),
                     "total": pytest.approx(1560)}
     assert traffic.asynchzp_host_device_bytes(T) == traffic.asynchzp_host_device_bytes(T, 8)  # d_o defaults to N
-    # The brief's closed form with P_r = P_t = P: (2·a·A + 4 + b)·P/N.
+    # The closed form with P_r = P_t = P: (2·a·A + 4 + b)·P/N.
     even = traffic.TrafficInputs(world=8, node_size=4, grad_accum=3, gathered_elements=800, reduced_elements=800,
                                  trainable_elements=800, param_bytes=2, grad_comm_bytes=2)
     assert traffic.stock_offload_host_device_bytes(even)["total"] == pytest.approx((2 * 2 * 3 + 4 + 2) * 800 / 8)

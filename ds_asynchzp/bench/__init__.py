@@ -1,1 +1,2 @@
-"""Benchmark harness: shipped corpus, small GPT model, and training-arm comparison."""
+"""The benchmark and asynchzp-ab: arms, local launch, shipped corpus, records, the report, and the planner's checks of
+runs (the models are in `ds_asynchzp.models`)."""

@@ -1,1 +1,2 @@
-"""The only callers of deepspeed.comm: collectives with preallocated outputs, and the flows of one step."""
+"""The package's own collectives, with preallocated outputs, and the flows of one step (the other direct callers of
+deepspeed.comm are listed in docs/ARCHITECTURE.md, "Layers")."""

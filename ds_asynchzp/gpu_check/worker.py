@@ -58,9 +58,10 @@ class _JobTimer:
 
         comm_thread.CommThread._run_one = self._original
 
-    def busy_ms(self) -> dict:
+    def busy_ms(self, jobs: int) -> dict:
+        """Device milliseconds per flow of the first `jobs` jobs."""
         busy = {}
-        for flow, start, end in self.pairs:
+        for flow, start, end in self.pairs[:jobs]:
             busy[flow] = busy.get(flow, 0.0) + start.elapsed_time(end)
         return busy
 
@@ -133,6 +134,11 @@ def run_arm(payload: dict) -> dict:
         # Everything the allocator ever handed out at once (activations included): the ceiling the package's
         # buffers below sit under.
         memory["max_allocated"] = torch.cuda.max_memory_allocated(device)
+    # AsyncHZP's own buffers beyond the model states, as the measured steps left them (None for stock ZeRO-3).
+    buffers = engine.optimizer.hzp_buffer_bytes() if hasattr(engine.optimizer, "hzp_buffer_bytes") else None
+    states = model_state_bytes(engine)
+    states = states["total"] - states.get("error_feedback", 0)   # the residual counts among the buffers
+    measured_jobs = len(timer.pairs) if timer is not None else 0
     copies = None
     if payload.get("count_copies") and cuda:
         # One more step, after the measured ones and their memory figures, under the profiler.
@@ -146,15 +152,11 @@ def run_arm(payload: dict) -> dict:
             torch.cuda.synchronize()
 
         copies = count_copies(one_step)
-    # AsyncHZP's own buffers beyond the model states, as the measured steps left them (None for stock ZeRO-3).
-    buffers = engine.optimizer.hzp_buffer_bytes() if hasattr(engine.optimizer, "hzp_buffer_bytes") else None
-    states = model_state_bytes(engine)
-    states = states["total"] - states.get("error_feedback", 0)   # the residual counts among the buffers
     losses = [float(value.cpu()) for value in step_losses]
     step_ms = [start.elapsed_time(end) if cuda else (end - start) * 1e3 for start, end in marks]
     optimizer = type(engine.optimizer).__name__
     engine.destroy()        # every job finished and every comm stream synchronised: all events are recorded
-    busy = timer.busy_ms() if timer is not None else {}
+    busy = timer.busy_ms(measured_jobs) if timer is not None else {}   # the profiled step's jobs left out
     if timer is not None:
         timer.uninstall()
     return {"rank": rank, "losses": losses, "step_ms": step_ms[warmup:], "memory": memory,

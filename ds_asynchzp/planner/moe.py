@@ -5,7 +5,7 @@ partitions each rank's experts over its expert-data-parallel (EDP) group: the N 
 experts, one every `ep` ranks, so `G_e = G / ep` of them share a node (1 when `ep` is at least the node
 size). Per optimizer step, per rank:
 
-* dense: the arm's formula (`planner.arm_bytes`) over the dense parameters, Psi - E_total;
+* dense: the arm's formula (`planner.arm_formulas.arm_bytes`) over the dense parameters, Psi - E_total;
 * expert: the same formula over the rank's experts, E_total / ep, with the EDP group as the world: stock ZeRO-3
   gathers and reduces them over the whole EDP group every micro-step; AsyncHZP lays them out with
   `layout.expert_layout` (what the engine builds), so their per-micro-step flows stay inside the node;

@@ -4,7 +4,7 @@ a `zero_grad()`, and its reopening by a gradient that arrives after the sum. The
 for the sum are in `gradient_readers.py`.
 
 A mixin of `HierarchicalZeroOptimizer` (placed before Stage 3 in its bases), on the state its construction
-builds: `_hzp_trainable_placements()`, `hzp_offload`, `_hzp_in_step`, `_hzp_warn_once`.
+builds: `_hzp_trainable_placements()`, `hzp_offload`, `hzp_read_agreement`, `_hzp_in_step`, `_hzp_warn_once`.
 """
 
 from __future__ import annotations

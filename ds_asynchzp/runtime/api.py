@@ -67,7 +67,7 @@ def resolve_for_initialize(*args, **kwargs) -> ResolvedLayout | None:
                           has_client_optimizer=arguments.get("optimizer") is not None,
                           num_parameters=padded_num_params(_model_numel(model), world) if model is not None else None,
                           sequence_parallel_size=sp,
-                          process_group_timeout_s=default_group_timeout_s() if ds_comm.is_initialized() else None)
+                          process_group_timeout_s=default_group_timeout_s())
 
 
 def _initialize_without_optimizer(layout: ResolvedLayout, arguments: dict):

@@ -5,7 +5,8 @@ them only inside `step()` and writes them in the backward epilogue, where no wai
 `_hzp_in_step` and `_hzp_in_epilogue`). docs/ARCHITECTURE.md lists them.
 
 A mixin placed before Stage 3 in the hierarchical optimizer's bases: it relies on that class's `hzp_comm`,
-`hzp_finish_window` and `_hzp_trainable_placements`.
+`hzp_finish_window_to_read` (which has every rank agree on a read that starts the window's sum),
+`hzp_offload` and `_hzp_trainable_placements`.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ changes, and where:
 Each of those modules is a mixin of the one class below, on the state its constructor builds; none defines a
 name another defines, so the order of the bases changes nothing.
 
-Threads, streams and their groups come from `ds_asynchzp.scheduler.context`; with `async_comm: false` the same
+Threads and streams come from `ds_asynchzp.scheduler.context`, process groups from `ds_asynchzp.platform.process_groups`; with `async_comm: false` the same
 jobs run inline, in the same order.
 
 Who owns what: DeepSpeed owns the fp32 master atoms and Adam moments (12 bytes per parameter / d_o) and the

@@ -1,1 +1,2 @@
-"""Buffers only, no collectives: the parameter shards and the gradient accumulation shards."""
+"""Buffers only, no collectives: the parameter and gradient shards, the gather pool and staging rings, each flow's
+scratch, the error-feedback residual, and the fingerprints of the own parameter rows."""
