@@ -49,14 +49,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .formulas import sizing
 from .config_compat import autoep_size, compat_issues, expert_issues, offloads_optimizer
 from .errors import AsyncHZPConfigError, ConfigIssue
-from .resolved_layout import (DEFAULT_PREFETCH_DEPTH, LayoutSizes, QuantizationSettings, ResolvedLayout,
-                              Scheduling)
+from .resolved_layout import (DEEPSPEED_DEFAULT_TIMEOUT_S, DEFAULT_PREFETCH_DEPTH, LayoutSizes, QuantizationSettings,
+                              ResolvedLayout, Scheduling)
 
 
 SECTION = "async_hzp"
-# DeepSpeed 0.19.8's process-group timeout when neither the user nor DEEPSPEED_TIMEOUT sets one
-# (`deepspeed/constants.py`: default_pg_timeout, 10 minutes).
-DEEPSPEED_DEFAULT_TIMEOUT_S = 600.0
+
 _PositiveInt = Annotated[int, Field(ge=1)]
 _ShardSize = Optional[Union[_PositiveInt, Literal["auto"]]]
 

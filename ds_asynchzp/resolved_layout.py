@@ -53,6 +53,11 @@ class LayoutSizes:
         return {key: getattr(self, key) for key in RECORD_KEYS}
 
 
+# DeepSpeed 0.19.8's process-group timeout when neither the user nor DEEPSPEED_TIMEOUT sets one
+# (`deepspeed/constants.py`: default_pg_timeout, 10 minutes).
+DEEPSPEED_DEFAULT_TIMEOUT_S = 600.0
+
+
 @dataclass(frozen=True)
 class Scheduling:
     """How the layout's collectives are scheduled (the async_hzp keys of the same names)."""
@@ -60,7 +65,7 @@ class Scheduling:
     async_comm: bool = True
     prefetch_depth: int = DEFAULT_PREFETCH_DEPTH
     boundary_bucket_size: Optional[int] = None
-    comm_timeout_s: float = 600.0
+    comm_timeout_s: float = DEEPSPEED_DEFAULT_TIMEOUT_S
     issue_order: str = "auto"
     # Where comm_timeout_s comes from (the section's key, the default process group, DeepSpeed's default).
     comm_timeout_source: str = "DeepSpeed's default"

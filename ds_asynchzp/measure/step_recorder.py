@@ -16,7 +16,7 @@ import resource
 import time
 
 from ..platform import ledger
-from ..resolved_layout import RECORD_KEYS, LayoutSizes
+from ..resolved_layout import LayoutSizes
 from .memory import model_state_bytes
 
 LINK_DEVICE = "eth0"
@@ -103,10 +103,7 @@ def layout_of(engine, ds_config: dict, world: int, node_size: int) -> tuple[dict
     hzp = getattr(engine.optimizer, "hzp_layout", None)
     if hzp is None:
         return stock_layout(ds_config, world, node_size)
-    if hasattr(hzp, "as_dict"):
-        layout = dict(hzp.as_dict())
-    else:  # a layout object without as_dict(): its dataclass fields
-        layout = {k: v for k, v in dataclasses.asdict(hzp).items() if k in RECORD_KEYS + ("auto_reason",)}
+    layout = dict(hzp.as_dict())
     layout.setdefault("auto_reason", None)
     return layout, hzp.describe()
 
