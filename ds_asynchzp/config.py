@@ -110,8 +110,14 @@ class AsyncHZPConfig(BaseModel):
         200.0,
         gt=0,
         allow_inf_nan=False,
-        description='Inter-node bandwidth per rank in Gbit/s, used only by "auto" to estimate communication time. '
-        "Default 200 (25 GB/s, one 200 Gbit/s NIC per rank).",
+        description='Bandwidth of one NIC in Gbit/s, used only by "auto" to estimate communication time. '
+        "Default 200 (25 GB/s, a 200 Gbit/s NIC).",
+    )
+    nics_per_node: Optional[_PositiveInt] = Field(
+        None,
+        description='NICs per node that carry inter-node traffic, used only by "auto" to place the bytes of each '
+        "collective on links (from 1, one NIC shared by the node's ranks, to node_size). Default: node_size, one "
+        "NIC per rank (rail-optimised GPU nodes).",
     )
     log_layout: bool = Field(True, description="Rank 0 logs the resolved layout at startup.")
     async_comm: bool = Field(
@@ -199,7 +205,8 @@ _FIELD_RULES = {
     "optimizer_shard_size": _SHARD_RULE,
     "memory_budget_gb": ("a positive finite number or null", "set the per-rank GiB budget, e.g. 40, or remove it."),
     "intra_node_bandwidth_gbps": ("a positive finite number", "set the intra-node Gbit/s per rank, e.g. 800, or remove it."),
-    "inter_node_bandwidth_gbps": ("a positive finite number", "set the inter-node Gbit/s per rank, e.g. 200, or remove it."),
+    "inter_node_bandwidth_gbps": ("a positive finite number", "set one NIC's Gbit/s, e.g. 200, or remove it."),
+    "nics_per_node": ("a positive integer or null", "set the NICs per node, from 1 to node_size, or remove it."),
     "log_layout": ("true or false", "use a JSON boolean (true/false)."),
     "async_comm": ("true or false", "use a JSON boolean (true/false)."),
     "prefetch_depth": ("an integer >= 0", "set how many gathers may run ahead of compute, e.g. 2, or remove it."),
@@ -358,6 +365,14 @@ def _quantization_issues(section: AsyncHZPConfig) -> list[ConfigIssue]:
 _NODE_ENV = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE")
 
 
+def _nics_per_node(section: AsyncHZPConfig, node: int) -> int:
+    nics = node if section.nics_per_node is None else section.nics_per_node
+    if nics > node:
+        raise AsyncHZPConfigError(f"{SECTION}.nics_per_node", f"is {nics}, more than the {node} ranks of a node.",
+                                  f"set it between 1 and {node}, or remove it for one NIC per rank.")
+    return nics
+
+
 def _resolve_node_size(section: AsyncHZPConfig, local_world_size: int | None, world: int) -> int:
     key = f"{SECTION}.node_size"
     environment = {e: int(os.environ[e].strip()) for e in _NODE_ENV if os.environ.get(e, "").strip().isdigit()}
@@ -512,6 +527,7 @@ def resolve_layout(
 
     world = world_size
     node = _resolve_node_size(section, local_world_size, world)
+    _nics_per_node(section, node)  # a bad value is an error whether or not "auto" runs
     autos, fixed = _auto_sizes(section, node, world)
     if autoep_size(ds_config) is not None and "optimizer_shard_size" in autos:
         autos.remove("optimizer_shard_size")  # the only d_o AutoEP's checkpoints allow (config_compat)
@@ -535,7 +551,8 @@ def resolve_layout(
             grad_comm_bytes=grad_comm_bytes(ds_config, sequence_parallel_size),
             grad_accum_steps=_grad_accum_steps(ds_config, world // sequence_parallel_size),
             intra_bw_bytes_s=section.intra_node_bandwidth_gbps * 1e9 / 8,
-            inter_bw_bytes_s=section.inter_node_bandwidth_gbps * 1e9 / 8, fixed=fixed, **offload)
+            inter_bw_bytes_s=section.inter_node_bandwidth_gbps * 1e9 / 8, fixed=fixed,
+            nics_per_node=_nics_per_node(section, node), **offload)
         d_p, d_g, d_o = chosen
     else:
         d_p, d_g, d_o = (fixed[k] for k in sizing.SIZE_KEYS)

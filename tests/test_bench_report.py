@@ -471,3 +471,24 @@ def test_package_buffers_table_shows_each_kind_its_total_and_the_model_states(tm
     # Results that predate the figure: no section.
     del ours["package_buffer_bytes"]
     assert "## Package buffers" not in report.write_report(results, tmp_path).read_text(encoding="utf-8")
+
+
+def test_summary_leads_with_the_bytes_counted_on_the_links(tmp_path):
+    """The opening paragraph's bytes ratio is the one counted on the emulated node links, with the model's beside
+    it; a run that counted nothing (loopback) gives the model's link figure and says so; a run with neither gives
+    the ring model's bytes and says that no link figure was recorded."""
+    emulated = synthetic_results(optional=True)
+    summary = report.write_report(emulated, tmp_path / "e").read_text(encoding="utf-8").split("\n")[2]
+    arms = emulated["arms"]
+    counted = arms["asynchzp"]["wire_bytes_inter_node_per_step"] / arms["zero3"]["wire_bytes_inter_node_per_step"]
+    model = arms["asynchzp"]["link_bytes_inter_node_per_step"] / arms["zero3"]["link_bytes_inter_node_per_step"]
+    assert f"Its node links carried {counted:.2f}x ZeRO-3's bytes, counted on the links" in summary
+    assert f"the model predicts {model:.2f}x" in summary and "one per node" in summary
+    loopback = synthetic_results(optional=True)
+    for entry in loopback["arms"].values():
+        entry["wire_bytes_inter_node_per_step"] = None
+    summary = report.write_report(loopback, tmp_path / "l").read_text(encoding="utf-8").split("\n")[2]
+    assert f"Nothing was counted on links in this run; by the model its node links would carry {model:.2f}x" in summary
+    plain = report.write_report(synthetic_results(optional=False), tmp_path / "p").read_text(encoding="utf-8")
+    assert "It sent 0.04x ZeRO-3's bytes in collectives whose group spans nodes" in plain.split("\n")[2]
+    assert "no link figure was recorded" in plain.split("\n")[2]

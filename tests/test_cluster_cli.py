@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from ds_asynchzp.bench import plan_check
-from ds_asynchzp.formulas import traffic
+from ds_asynchzp.formulas import step_collectives, traffic
 from ds_asynchzp.config import resolve_layout
 from ds_asynchzp.netem import tracking
 from ds_asynchzp.netem import cli
@@ -103,7 +103,7 @@ def test_torchrun_on_two_nodes_with_one_hostname_trains_to_the_end(torchrun_run,
 def test_link_bytes_per_step_match_the_prediction(deepspeed_run, torchrun_run, capsys):
     """Both runs cross the link with the same start-up (model broadcast, partitioning, rendezvous: 3.5 KB apart
     between the launchers when measured); their difference is LONG_STEPS - SHORT_STEPS steady steps, which
-    traffic.link_bytes predicts (payload, per rank) and the frame overhead turns into eth0 bytes."""
+    step_collectives.link_bytes predicts (payload, per rank) and the frame overhead turns into eth0 bytes."""
     long_, short = (run["bytes"]["total_tx_bytes"] for run in (deepspeed_run, torchrun_run))
     for run in (deepspeed_run, torchrun_run):  # what one node sent, the other received
         links = run["bytes"]["links"]
@@ -116,7 +116,7 @@ def test_link_bytes_per_step_match_the_prediction(deepspeed_run, torchrun_run, c
     inputs = traffic.TrafficInputs(world=4, node_size=2, grad_accum=json.loads(CONFIG.read_text())[
         "gradient_accumulation_steps"], gathered_elements=elements["gathered"], reduced_elements=elements["reduced"],
         trainable_elements=elements["trainable"])
-    predicted = 4 * traffic.link_bytes("asynchzp", inputs, d_p, d_g, d_o) * plan_check.wire_overhead_factor(1500)
+    predicted = 4 * step_collectives.link_bytes("asynchzp", inputs, d_p, d_g, d_o) * plan_check.wire_overhead_factor(1500)
     with capsys.disabled():
         print(f"\nlink bytes per step, 2 x 2 ranks: measured {measured:.0f} (runs of {LONG_STEPS} and {SHORT_STEPS} "
               f"steps: {long_} and {short}), predicted {predicted:.0f}, {measured / predicted - 1:+.1%}; "

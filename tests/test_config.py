@@ -290,24 +290,30 @@ GOOD = [
     # HF's, LLaMA-Factory's and axolotl's ZeRO-3 offload configs: optimizer states on the host, pinned.
     ("offload-optimizer-cpu", make(zero={"offload_optimizer": {"device": "cpu", "pin_memory": True}}), 8, 4, {}, {},
      (4, 4, 8)),
-    # "auto" (bf16, A = 1, default bandwidths 100 / 25 GB/s; see test_auto_cost_table for the numbers):
-    # all three free and a generous budget: the cheapest layout, d_o inside the node.
+    # "auto" (bf16, A = 1, default bandwidths 100 GB/s per rank's NVLink, 25 GB/s per NIC, one NIC per rank; see
+    # test_auto_cost_table for the numbers): all three free and a generous budget: the cheapest layout. With one
+    # micro-step, (1,8,8)'s two world rings (gradient reduce-scatter, refresh), spread over a node's 4 NICs, take
+    # 0.0175 s each: less than (1,4,8)'s 0.0425 s.
     ("auto-all-generous", make({"param_shard_size": "auto", "grad_shard_size": "auto", "optimizer_shard_size": "auto",
                                 "memory_budget_gb": 100}, bf16={"enabled": True}), 8, 4, {}, {"num_parameters": PSI},
-     (1, 4, 4)),
+     (1, 8, 8)),
     # Unset optimizer size stays at the world: only d_o = 8 layouts compete.
     ("auto-param-only", make({"param_shard_size": "auto", "memory_budget_gb": 100}, bf16={"enabled": True}), 8, 4, {},
-     {"num_parameters": PSI}, (4, 4, 8)),
-    # A fixed size constrains the search instead of being refused.
+     {"num_parameters": PSI}, (1, 8, 8)),
+    # A fixed size constrains the search instead of being refused. With one micro-step a gradient group over the
+    # world costs less (0.0525 s) than (2,4,4)'s reduce-scatter in the node and all-reduce between nodes (0.06 s).
     ("auto-with-fixed-param", make({"param_shard_size": 2, "grad_shard_size": "auto", "optimizer_shard_size": "auto",
                                     "memory_budget_gb": 100}, bf16={"enabled": True}), 8, 4, {},
-     {"num_parameters": PSI}, (2, 4, 4)),
+     {"num_parameters": PSI}, (2, 8, 8)),
+    # d_o = 2 and d_o = 4 both take 0.06 s; d_o = 4's links are busy for less in all (0.06 s against 0.0675 s).
     ("auto-optimizer-only", make({"param_shard_size": 2, "grad_shard_size": 2, "optimizer_shard_size": "auto",
                                   "memory_budget_gb": 100}, bf16={"enabled": True}), 8, 4, {},
      {"num_parameters": PSI}, (2, 2, 4)),
-    # 4 GiB ~ 4.29e9: (2,4,4) needs 4.5e9; (4,4,8) and (4,4,4) tie at 0.065 s, (4,4,8) needs less memory.
-    ("auto-tight", make({"grad_shard_size": "auto", "optimizer_shard_size": "auto", "memory_budget_gb": 4},
-                        bf16={"enabled": True}), 8, 4, {}, {"num_parameters": PSI}, (4, 4, 8)),
+    # d_p = 4, d_g = 4: (4,4,8) and (4,4,4) tie (0.065 s; 4.5 GB per rank on NVLink, 0.5 GB per NIC); (4,4,8)
+    # needs less memory.
+    ("auto-tight", make({"param_shard_size": 4, "grad_shard_size": 4, "optimizer_shard_size": "auto",
+                         "memory_budget_gb": 4}, bf16={"enabled": True}), 8, 4, {}, {"num_parameters": PSI},
+     (4, 4, 8)),
     # 2.2 GiB: only (4,8,8) (2.25e9) fits.
     ("auto-only-one-fits", make({"grad_shard_size": "auto", "optimizer_shard_size": "auto", "memory_budget_gb": 2.2},
                                 bf16={"enabled": True}), 8, 4, {}, {"num_parameters": PSI}, (4, 8, 8)),
@@ -449,19 +455,21 @@ def test_layout_fields_description_and_dict():
 
 
 def test_auto_reason_names_the_numbers_and_reaches_describe():
-    cfg = make({"grad_shard_size": "auto", "optimizer_shard_size": "auto", "memory_budget_gb": 3},
-               bf16={"enabled": True})
+    cfg = make({"param_shard_size": 4, "grad_shard_size": "auto", "optimizer_shard_size": "auto",
+                "memory_budget_gb": 3}, bf16={"enabled": True})
     layout = resolve_layout(cfg, 8, 4, num_parameters=PSI)
-    # 3 GiB: (4,4,8) needs 2.5e9 bytes and 0.065 s; the runner-up (2,4,8) 3.0e9 bytes and 0.075 s.
-    assert (layout.sizes.param_shard_size, layout.sizes.grad_shard_size, layout.sizes.optimizer_shard_size) == (4, 4, 8)
+    # 3 GiB, d_p = 4: (4,8,8) needs 2.25e9 bytes and 0.0575 s (gathers 0.03 s in the node, the world's
+    # reduce-scatter and refresh 0.0175 s and 0.01 s on the NICs); the runner-up (4,4,8) 2.5e9 bytes and 0.065 s.
+    assert (layout.sizes.param_shard_size, layout.sizes.grad_shard_size, layout.sizes.optimizer_shard_size) == (4, 8, 8)
     reason = layout.auto_reason
-    assert "d_p=4, d_g=4, d_o=8" in reason and "of 18 valid layouts (4 fit the budget)" in reason
-    assert "2.33 GiB per rank (budget 3.00 GiB)" in reason
-    assert "0.065 s per optimizer step vs 0.075 s for the runner-up d_p=2, d_g=4, d_o=8" in reason
+    assert "d_p=4, d_g=8, d_o=8" in reason and "of 3 valid layouts (2 fit the budget)" in reason
+    assert "2.10 GiB per rank (budget 3.00 GiB)" in reason
+    assert ("0.0575 s per optimizer step, each collective at its busiest link's pace (whole step: NIC 0.688 GB in "
+            "0.0275 s, NVLink per rank 4.31 GB in 0.0431 s) vs 0.065 s for the runner-up d_p=4, d_g=4, d_o=8") in reason
     assert reason in layout.describe() and layout.as_dict()["auto_reason"] == reason
-    # A tie on time goes to the smaller memory, and the reason says so.
-    tie = resolve_layout(make({"grad_shard_size": "auto", "optimizer_shard_size": "auto", "memory_budget_gb": 4},
-                              bf16={"enabled": True}), 8, 4, num_parameters=PSI).auto_reason
+    # A tie on both links goes to the smaller memory, and the reason says so.
+    tie = resolve_layout(make({"param_shard_size": 4, "grad_shard_size": 4, "optimizer_shard_size": "auto",
+                               "memory_budget_gb": 4}, bf16={"enabled": True}), 8, 4, num_parameters=PSI).auto_reason
     assert "the same as the runner-up d_p=4, d_g=4, d_o=4, which needs 3.73 GiB per rank" in tie
     only = resolve_layout(make({"grad_shard_size": "auto", "optimizer_shard_size": "auto", "memory_budget_gb": 2.2},
                                bf16={"enabled": True}), 8, 4, num_parameters=PSI).auto_reason
@@ -484,7 +492,7 @@ def test_auto_reads_dtypes_steps_and_bandwidths_from_the_ds_config(monkeypatch):
     resolve_layout(cfg, 8, 4, num_parameters=PSI)
     assert seen == {"param_bytes": 2, "grad_accum_bytes": 4, "grad_comm_bytes": 4, "grad_accum_steps": 3,
                     "intra_bw_bytes_s": 200e9, "inter_bw_bytes_s": 50e9, "budget": 50 * GIB,
-                    "fixed": {"grad_shard_size": 4, "optimizer_shard_size": 8}}
+                    "fixed": {"grad_shard_size": 4, "optimizer_shard_size": 8}, "nics_per_node": 4}
     # Defaults: the model dtype everywhere (fp32 here), one micro-step, 800 / 200 Gbit/s.
     seen.clear()
     resolve_layout(make({"param_shard_size": "auto", "memory_budget_gb": 50}), 8, 4, num_parameters=PSI)
@@ -492,6 +500,14 @@ def test_auto_reads_dtypes_steps_and_bandwidths_from_the_ds_config(monkeypatch):
                                  "intra_bw_bytes_s", "inter_bw_bytes_s")} == \
         {"param_bytes": 4, "grad_accum_bytes": 4, "grad_comm_bytes": 4, "grad_accum_steps": 1,
          "intra_bw_bytes_s": 100e9, "inter_bw_bytes_s": 25e9}
+    # One NIC per node shared by its ranks, as a cloud instance has: "auto" places the bytes on it.
+    seen.clear()
+    resolve_layout(make({"param_shard_size": "auto", "memory_budget_gb": 50, "nics_per_node": 1}), 8, 4,
+                   num_parameters=PSI)
+    assert seen["nics_per_node"] == 1
+    with pytest.raises(AsyncHZPConfigError, match="async_hzp.nics_per_node") as info:
+        resolve_layout(make({"param_shard_size": 4, "nics_per_node": 5}), 8, 4)
+    assert "between 1 and 4" in str(info.value)
 
 
 def test_log_layout_flag_reaches_the_layout():
@@ -590,16 +606,29 @@ def test_valid_layouts_follow_the_rules():
 
 
 def test_auto_cost_table():
-    """The numbers behind the "auto" cases above, by hand (Ψ = 1e9 bf16, A = 1, 100 / 25 GB/s):
-    (1,4,4): intra = grad RS 2Ψ·3/4 + refresh 2Ψ·3/4 = 3Ψ, inter = all-reduce 2·2Ψ/4·1/2 = 0.5Ψ -> 0.05 s;
-    (4,4,8): intra = gather 4Ψ·3/4 + RS 1.5Ψ = 4.5Ψ, inter = boundary 2Ψ/4·1/2 + refresh 2Ψ/4·1/2 -> 0.065 s."""
+    """The numbers behind the "auto" cases above, by hand (Ψ = 1e9 bf16, A = 1, NVLink 100 GB/s per rank, one
+    25 GB/s NIC per rank, NCCL rings: a ring edge carries (k-1)/k of S, twice for an all-reduce; a node of a group
+    spanning nodes sends one edge through its members' NICs, and each member (m-1)/m of an edge over NVLink; each
+    collective takes its busiest link's time, one after another):
+    (1,4,4): grad RS 2Ψ·3/4 on NVLink (0.015 s) + all-reduce of 2Ψ/4 between 2 nodes, 2·1/2·0.5Ψ on a NIC (0.02 s)
+             + refresh 2Ψ·3/4 on NVLink (0.015 s) = 0.05 s; whole step NVLink 3Ψ, NIC 0.5Ψ;
+    (1,4,8): RS 0.015 s + boundary exchange 2Ψ/4·1/2 on a NIC (0.01 s) + world refresh, edge 7/8·2Ψ: 1/4 of it
+             per NIC (0.0175 s), 3/4 per rank on NVLink (0.013 s) = 0.0425 s; NVLink 2.8125Ψ, NIC 0.6875Ψ;
+    (4,4,8): gathers 2·3/4·2Ψ on NVLink (0.03 s) + RS 0.015 s + boundary 0.01 s + refresh 2Ψ/4·1/2 on a NIC
+             (0.01 s) = 0.065 s; NVLink 4.5Ψ, NIC 0.5Ψ."""
     kw = dict(param_bytes=2, grad_comm_bytes=2, grad_accum_steps=1, intra_bw_bytes_s=100e9, inter_bw_bytes_s=25e9)
-    seconds, moved = sizing.comm_seconds_per_step(PSI, 8, 4, 1, 4, 4, **kw)
-    assert moved["intra_node"] == pytest.approx(3 * PSI) and moved["inter_node"] == pytest.approx(0.5 * PSI)
-    assert seconds == pytest.approx(0.05)
-    seconds, moved = sizing.comm_seconds_per_step(PSI, 8, 4, 4, 4, 8, **kw)
-    assert moved["intra_node"] == pytest.approx(4.5 * PSI) and moved["inter_node"] == pytest.approx(0.5 * PSI)
-    assert seconds == pytest.approx(0.065)
+    for lay, fabric, nic, bound in (((1, 4, 4), 3, 0.5, 0.05), ((1, 4, 8), 2.8125, 0.6875, 0.0425),
+                                    ((4, 4, 8), 4.5, 0.5, 0.065)):
+        seconds, moved = sizing.comm_seconds_per_step(PSI, 8, 4, *lay, **kw)
+        assert moved["fabric_busiest"] == pytest.approx(fabric * PSI), lay
+        assert moved["nic_busiest"] == pytest.approx(nic * PSI), lay
+        assert seconds == pytest.approx(bound), lay
+    # One NIC per node: the node's whole egress on it. (1,4,8): RS 0.015 s + four boundary exchanges 4·0.25Ψ
+    # (0.04 s) + the refresh's edge 1.75Ψ (0.07 s) = 0.125 s; (1,4,4): 0.015 s + four all-reduces (one per local
+    # index) 4·0.5Ψ (0.08 s) + 0.015 s = 0.11 s, now the cheaper.
+    one_nic = {lay: sizing.comm_seconds_per_step(PSI, 8, 4, *lay, nics_per_node=1, **kw)[0]
+               for lay in ((1, 4, 4), (1, 4, 8))}
+    assert one_nic[(1, 4, 8)] == pytest.approx(0.125) and one_nic[(1, 4, 4)] == pytest.approx(0.11)
 
 
 def test_choose_layout_picks_the_cheapest_fitting_layout():
@@ -607,15 +636,19 @@ def test_choose_layout_picks_the_cheapest_fitting_layout():
               inter_bw_bytes_s=25e9)
     for budget in (2.3e9, 3e9, 4.4e9, 6e9, 20e9):
         *chosen, reason = sizing.choose_layout(PSI, 8, 4, budget, **kw)
-        # Brute force over every valid layout: fits, then least time, then least memory.
-        best = min((round(sizing.comm_seconds_per_step(PSI, 8, 4, *lay, **{k: v for k, v in kw.items()
-                                                                         if k != "grad_accum_bytes"})[0], 9),
-                    sizing.model_state_bytes_per_rank(PSI, 8, *lay)["total"], lay)
+        # Brute force over every valid layout: fits, then least time on the busiest link, then least time of
+        # both links, then least memory.
+        def cost(lay):
+            seconds, moved = sizing.comm_seconds_per_step(PSI, 8, 4, *lay, **{k: v for k, v in kw.items()
+                                                                             if k != "grad_accum_bytes"})
+            return round(seconds, 9), round(moved["nic_s"] + moved["fabric_s"], 9)
+
+        best = min((*cost(lay), sizing.model_state_bytes_per_rank(PSI, 8, *lay)["total"], lay)
                    for lay in sizing.valid_layouts(8, 4)
                    if sizing.model_state_bytes_per_rank(PSI, 8, *lay)["total"] <= budget)
-        assert tuple(chosen) == best[2], budget
-        assert f"d_p={best[2][0]}, d_g={best[2][1]}, d_o={best[2][2]}" in reason
-    assert tuple(sizing.choose_layout(PSI, 8, 4, 20e9, fixed={"optimizer_shard_size": 8}, **kw)[:3]) == (4, 4, 8)
+        assert tuple(chosen) == best[3], budget
+        assert f"d_p={best[3][0]}, d_g={best[3][1]}, d_o={best[3][2]}" in reason
+    assert tuple(sizing.choose_layout(PSI, 8, 4, 20e9, fixed={"optimizer_shard_size": 8}, **kw)[:3]) == (1, 8, 8)
     with pytest.raises(ValueError, match="fixed may only hold"):
         sizing.choose_layout(PSI, 8, 4, 20e9, fixed={"d_p": 2}, **kw)
 
@@ -641,18 +674,18 @@ def test_sizing_helpers():
 
 def test_auto_accounts_for_the_parameter_and_accumulation_dtypes():
     """fp32 parameters, or fp32 gradient accumulation under bf16, take more bytes: the same budget then needs
-    another layout. 5.2 GiB ~ 5.58e9 fits bf16's (1,4,4) (5.5e9) but not with fp32 accumulation (6.0e9)."""
-    hzp = {"param_shard_size": "auto", "optimizer_shard_size": "auto", "memory_budget_gb": 5.2}
+    another layout. 3.6 GiB ~ 3.87e9 fits bf16's (1,8,8) (3.75e9) but not with fp32 accumulation (4.0e9)."""
+    hzp = {"param_shard_size": "auto", "optimizer_shard_size": "auto", "memory_budget_gb": 3.6}
     bf16 = resolve_layout(make(hzp, bf16={"enabled": True}), 8, 4, num_parameters=PSI)
     fp32 = resolve_layout(make(hzp), 8, 4, num_parameters=PSI)
     fp32_accum = resolve_layout(make(hzp, bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"}), 8, 4,
                                 num_parameters=PSI)
-    assert (bf16.sizes.param_shard_size, bf16.sizes.grad_shard_size, bf16.sizes.optimizer_shard_size) == (1, 4, 4)
+    assert (bf16.sizes.param_shard_size, bf16.sizes.grad_shard_size, bf16.sizes.optimizer_shard_size) == (1, 8, 8)
     for other, b, a in ((fp32, 4, 4), (fp32_accum, 2, 4)):
         chosen = (other.sizes.param_shard_size, other.sizes.grad_shard_size, other.sizes.optimizer_shard_size)
-        assert chosen != (1, 4, 4)
+        assert chosen != (1, 8, 8)
         assert sizing.model_state_bytes_per_rank(PSI, 8, *chosen, param_bytes=b, grad_accum_bytes=a)["total"] \
-            <= 5.2 * GIB
+            <= 3.6 * GIB
 
 
 def test_a_megatron_style_mpu_is_refused_before_any_process_group(monkeypatch):

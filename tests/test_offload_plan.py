@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from ds_asynchzp.formulas import sizing, traffic
+from ds_asynchzp.formulas import sizing, step_collectives, traffic
 from ds_asynchzp.config import resolve_layout
 from ds_asynchzp.errors import AsyncHZPConfigError
 from ds_asynchzp.planner import arm_formulas, cluster_plan
@@ -19,7 +19,10 @@ from ds_asynchzp.planner.moe import MoeInputs
 GIB = 2**30
 # The worked example: 70B bf16 parameters, 2 nodes of 8 ranks, 80 GB devices, 8 micro-steps per step.
 PSI, WORLD, NODE = 70 * 10**9, 16, 8
-ARGV_70B = ["--params", "70B", "--world", "16", "--node-size", "8", "--device-memory", "80GB", "--grad-accum", "8"]
+# NVLink at 400 GB/s per rank (A100/H100 class), one 25 GB/s NIC per rank: a gradient ring over the world is then
+# bound by the NICs, and node-local gradient shards are worth keeping where they fit.
+ARGV_70B = ["--params", "70B", "--world", "16", "--node-size", "8", "--device-memory", "80GB", "--grad-accum", "8",
+            "--intra-bw", "400GB/s"]
 
 
 # ------------------------------------------------------------------------------------ memory by hand
@@ -129,7 +132,7 @@ def test_offload_arms_have_their_twins_formulas():
     assert traffic.offload_twin("asynchzp-q") == "asynchzp-q" and traffic.offload_twin("zero3") == "zero3"
     for arm, twin in (("zero3-offload", "zero3"), ("asynchzp-offload", "asynchzp")):
         assert arm_formulas.arm_bytes(arm, T, 2, 4, 4) == arm_formulas.arm_bytes(twin, T, 2, 4, 4)
-        assert traffic.link_bytes(arm, T, 2, 4, 4) == traffic.link_bytes(twin, T, 2, 4, 4)
+        assert step_collectives.link_bytes(arm, T, 2, 4, 4) == step_collectives.link_bytes(twin, T, 2, 4, 4)
         for offload in (True, False):
             args = (1120, 8, 4, 2, 4, 4, 2, 4, offload)
             assert offload_plan.arm_placement(arm, *args) == offload_plan.arm_placement(twin, *args)
@@ -140,7 +143,7 @@ def test_offload_arms_have_their_twins_formulas():
 # -------------------------------------------------------------------------------------------- "auto"
 def test_choose_layout_with_offload_budgets_device_bytes_only():
     budget = 40 * GIB  # half of an 80 GB device
-    kw = dict(grad_accum_steps=8, intra_bw_bytes_s=100e9, inter_bw_bytes_s=25e9)
+    kw = dict(grad_accum_steps=8, intra_bw_bytes_s=400e9, inter_bw_bytes_s=25e9)
     with pytest.raises(AsyncHZPConfigError, match="memory_budget_gb"):
         sizing.choose_layout(PSI, WORLD, NODE, budget, **kw)
     d_p, d_g, d_o, reason = sizing.choose_layout(PSI, WORLD, NODE, budget, offload_optimizer=True, **kw)
@@ -173,7 +176,8 @@ def _ds_config(offload: bool, budget_gb: float) -> dict:
     return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 8, "bf16": {"enabled": True},
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": zero,
             "async_hzp": {"node_size": NODE, "param_shard_size": "auto", "grad_shard_size": "auto",
-                          "optimizer_shard_size": "auto", "memory_budget_gb": budget_gb}}
+                          "optimizer_shard_size": "auto", "memory_budget_gb": budget_gb,
+                          "intra_node_bandwidth_gbps": 3200}}
 
 
 def test_resolve_layout_with_offload_keeps_gradients_in_the_node():
@@ -188,7 +192,8 @@ def test_resolve_layout_with_offload_keeps_gradients_in_the_node():
     assert chosen[1] <= NODE and NODE % chosen[1] == 0
     assert sizing.placement_bytes_per_rank(PSI, WORLD, *chosen, offload_optimizer=True)["device"]["total"] <= 76 * GIB
     # resolve_layout hands choose_layout the ds_config's offload, and nothing else changes.
-    assert sizing.choose_layout(PSI, WORLD, NODE, 76 * GIB, grad_accum_steps=8, offload_optimizer=True) == \
+    assert sizing.choose_layout(PSI, WORLD, NODE, 76 * GIB, grad_accum_steps=8, offload_optimizer=True,
+                                intra_bw_bytes_s=400e9) == \
         (*chosen, offloaded.auto_reason)
     assert "optimizer offload taken into account" in offloaded.auto_reason
     assert offloaded.auto_reason in offloaded.describe()

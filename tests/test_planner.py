@@ -11,7 +11,7 @@ import json
 import pytest
 
 from ds_asynchzp.bench import plan_check
-from ds_asynchzp.formulas import sizing, traffic
+from ds_asynchzp.formulas import links, sizing, step_collectives, traffic
 from ds_asynchzp.planner import arm_formulas, cluster_plan, inputs
 from ds_asynchzp.planner import cli as plan_cli
 
@@ -127,7 +127,7 @@ def test_asynchzp_flows_by_hand_optimizer_inside_the_node():
     assert got["intra_node"] == pytest.approx(4800 + 6000 + 550 + 40)
     assert got["inter_node"] == pytest.approx(1100)
     # gloo's ring all-reduce over {q, q+4}: both ring edges cross, so every byte of it is on a link.
-    assert traffic.link_bytes("asynchzp", SMALL, 2, 4, 4) == pytest.approx(1100)
+    assert step_collectives.link_bytes("asynchzp", SMALL, 2, 4, 4) == pytest.approx(1100)
 
 
 def test_asynchzp_flows_by_hand_optimizer_over_the_world():
@@ -142,9 +142,9 @@ def test_asynchzp_flows_by_hand_optimizer_over_the_world():
     assert got["inter_node"] == pytest.approx(550 + 825)
     # Links: the pairwise exchange sends S/T_g = 550 to the one member on the other node; the refresh ring
     # 0-2-4-6 has 2 of 4 edges between nodes, so half its 825 bytes go over a link.
-    assert traffic.link_bytes("asynchzp", SMALL, 2, 4, 8) == pytest.approx(550 + 825 / 2)
+    assert step_collectives.link_bytes("asynchzp", SMALL, 2, 4, 8) == pytest.approx(550 + 825 / 2)
     # An arm name with overrides is the same formula.
-    assert traffic.link_bytes("asynchzp:optimizer_shard_size=8", SMALL, 2, 4, 8) == pytest.approx(962.5)
+    assert step_collectives.link_bytes("asynchzp:optimizer_shard_size=8", SMALL, 2, 4, 8) == pytest.approx(962.5)
 
 
 def test_asynchzp_grad_group_spanning_nodes_and_defaults():
@@ -152,12 +152,12 @@ def test_asynchzp_grad_group_spanning_nodes_and_defaults():
     all-reduce (two passes) of which 2 of 8 ring edges cross nodes."""
     got = traffic.asynchzp_bytes(SMALL, 2, 8, 8)
     assert got["by_flow"]["grad_reduce_scatter"] == {"intra_node": 0, "inter_node": pytest.approx(2 * 4 * 1000 * 7 / 8)}
-    assert traffic.link_bytes("asynchzp", SMALL, 2, 8, 8) == pytest.approx(2 * 7000 * 2 / 8 + 825 / 2)
+    assert step_collectives.link_bytes("asynchzp", SMALL, 2, 8, 8) == pytest.approx(2 * 7000 * 2 / 8 + 825 / 2)
     # d_o defaults to the world; one node has no inter-node flow at all.
     assert traffic.asynchzp_bytes(SMALL, 2, 4) == traffic.asynchzp_bytes(SMALL, 2, 4, 8)
     one_node = dataclasses.replace(SMALL, node_size=8)
     assert traffic.asynchzp_bytes(one_node, 2, 4, 8)["inter_node"] == 0
-    assert traffic.link_bytes("asynchzp", one_node, 2, 4, 8) == 0
+    assert step_collectives.link_bytes("asynchzp", one_node, 2, 4, 8) == 0
     with pytest.raises(ValueError, match="invalid layout"):
         traffic.asynchzp_bytes(SMALL, 4, 2, 8)
 
@@ -191,8 +191,10 @@ def test_asynchzp_crosses_nodes_far_less_than_zero3_whatever_the_accumulation():
     layout = plans[8]["layout"]
     assert (layout["d_p"], layout["d_g"], layout["d_o"], layout["source"]) == (16, 16, 1024, "given")
     times = plans[8]["arms"]["asynchzp"]["comm_time_s"]
-    moved = plans[8]["arms"]["asynchzp"]["bytes_per_step"]
-    assert times["total"] == pytest.approx(moved["intra_node"] / 400e9 + moved["inter_node"] / 25e9)
+    load = plans[8]["arms"]["asynchzp"]["links"]
+    assert times["nic"] == pytest.approx(load["nic_busiest"] / 25e9)
+    assert times["fabric"] == pytest.approx(load["fabric_busiest"] / 400e9)
+    assert times["total"] >= max(times["nic"], times["fabric"])
 
 
 def test_zeropp_published_quarter_and_what_stock_qgz_sends():
@@ -221,7 +223,7 @@ def test_quantized_asynchzp_shrinks_only_the_cross_node_traffic():
     # asynchzp-q is the engine's quantize_cross_node: the once-per-step gradient exchange and parameter refresh
     # cross nodes as INT8 blocks (1 byte a value plus a 4-byte scale per 512 values) instead of bf16; every
     # intra-node flow is unchanged.
-    plan = _plan()
+    plan = _plan(param_shard_size=16, grad_shard_size=16)
     arms = plan["arms"]
     assert (plan["layout"]["d_p"], plan["layout"]["d_g"]) == (16, 16)
     plain, quantized = arms["asynchzp"]["bytes_per_step"], arms["asynchzp-q"]["bytes_per_step"]
@@ -251,13 +253,18 @@ def test_quantized_flows_follow_the_engine_plan():
 
 def test_arms_reuse_the_traffic_module():
     plan = _plan()
-    d_o = plan["layout"]["d_o"]
+    d_p, d_g, d_o = (plan["layout"][k] for k in ("d_p", "d_g", "d_o"))
     t = arm_formulas.traffic_inputs(70 * 10**9, 1024, 16, 8, "bf16")
     arms = plan["arms"]
     assert arms["zero3"]["bytes_per_step"] == traffic.zero3_bytes(t)
     assert arms["hpz"]["bytes_per_step"] == traffic.hpz_bytes(t)
     t_o = arm_formulas.traffic_inputs(70 * 10**9, 1024, 16, 8, "bf16", multiple=d_o)
-    assert arms["asynchzp"]["bytes_per_step"] == traffic.asynchzp_bytes(t_o, 16, 16, d_o)
+    assert arms["asynchzp"]["bytes_per_step"] == traffic.asynchzp_bytes(t_o, d_p, d_g, d_o)
+    # The link figures place the same collectives on the links (formulas.links, one NIC per rank, NCCL).
+    topology = links.Topology(1024, 16)
+    assert arms["zero3"]["links"] == links.link_load(step_collectives.zero3(t), topology).summary()
+    assert arms["asynchzp"]["links"] == links.link_load(step_collectives.asynchzp(t_o, d_p, d_g, d_o),
+                                                        topology).summary()
 
 
 def test_asynchzp_arm_pads_to_the_optimizer_group():
@@ -294,7 +301,7 @@ def test_auto_with_fixed_sizes_constrains_the_search():
     assert layout["d_p"] == 8 and layout["source"] == "auto with param_shard_size=8"
     assert "d_p=8" in layout["reason"] and "of 36 valid layouts" in layout["reason"]
     # The unconstrained pick is still reported.
-    assert result["auto"]["d_p"] == 16
+    assert result["auto"] == _plan()["auto"]
 
 
 def test_explicit_budget_and_no_fit():
@@ -492,19 +499,19 @@ def test_check_zero_prediction_and_wire_bytes(tmp_path, capsys):
     results = _synthetic_results(elements, with_elements=True)
     zero3 = results["arms"]["zero3"]
     zero3["bytes_per_step"]["intra_node"] = 512  # a few scalars on a figure predicted to be 0
-    # Node links carry only the ring edges between nodes: traffic.link_bytes, plus frame and ACK overhead
+    # Node links carry only the ring edges between nodes: step_collectives.link_bytes, plus frame and ACK overhead
     # (no network section in the config: MTU 1500 on veth).
     t = traffic.TrafficInputs(world=results["config"]["nproc"], node_size=results["config"]["node_size"],
                                       grad_accum=results["config"]["grad_accum"], gathered_elements=123_456,
                                       reduced_elements=100_000, trainable_elements=101_000, param_bytes=4,
                                       grad_comm_bytes=4)
-    link = traffic.link_bytes("zero3", t)
+    link = step_collectives.link_bytes("zero3", t)
     assert link < zero3["bytes_per_step"]["inter_node"]
     zero3["wire_bytes_inter_node_per_step"] = link * plan_check.WIRE_OVERHEAD_FACTOR
     zero3["link_bytes_inter_node_per_step"] = link
     # The overridden asynchzp arm's link bytes, with its own layout.
     o4 = results["arms"][O4_ARM]
-    o4["link_bytes_inter_node_per_step"] = traffic.link_bytes(O4_ARM, t, 2, 4, 4)
+    o4["link_bytes_inter_node_per_step"] = step_collectives.link_bytes(O4_ARM, t, 2, 4, 4)
     assert _check(tmp_path, results, capsys)[0] == 0
     report = plan_check.check_results(results)
     assert any(r["quantity"] == "inter_node_wire" and r["ok"] for r in report["rows"])
@@ -587,7 +594,7 @@ def test_plan_cli_prints_families(capsys):
                      "--hidden", "4096", "--world", "256", "--node-size", "8", "--intra-bw", "400GB/s",
                      "--inter-bw", "200Gbit", "--grad-accum", "8", "--device-memory", "80GB"]) == 0
     out = capsys.readouterr().out
-    assert "expert inter GB" in out and "hpz: not planned" in out and "32 ranks, 1 per node" in out
+    assert "expert GB/NIC" in out and "hpz: not planned" in out and "32 ranks, 1 per node" in out
 
 
 def test_check_refuses_moe_results_by_name():

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..formulas import traffic
+from ..formulas import step_collectives, traffic
 from ..planner import volume
 from ..planner.arm_formulas import DTYPE_BYTES, arm_bytes, arm_quantization
 from ..planner.time_model import cross_node_share, link_seconds, predicted_step_s
@@ -159,9 +159,9 @@ def check_results(results: dict) -> dict:
             for flow, value in volume.arm_flows(arm, t, d_p, d_g, d_o, quantization).items():
                 rows.append(_compare(arm, f"inter_node {flow}", value,
                                      float((measured_flows.get(flow) or {}).get("inter_node", 0.0))))
-        # Node links carry only the ring edges between nodes (traffic.link_bytes), not the whole inter-node
+        # Node links carry only the ring edges between nodes (step_collectives.link_bytes), not the whole inter-node
         # ring-model figure: predicted once, compared with the ledger's own estimate and with the link counters.
-        link = traffic.link_bytes(arm, t, d_p, d_g, d_o, quantization)
+        link = step_collectives.link_bytes(arm, t, d_p, d_g, d_o, quantization)
         link_predictions[arm] = link
         if entry.get("link_bytes_inter_node_per_step") is not None:
             rows.append(_compare(arm, "inter_node_link", link, float(entry["link_bytes_inter_node_per_step"])))

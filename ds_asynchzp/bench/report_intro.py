@@ -29,7 +29,7 @@ def _where(results: dict) -> str:
     nodes = f"{world // node} nodes of {node}" if isinstance(world, int) and isinstance(node, int) and node else NA
     network = config.get("network") or {}
     if network.get("mode") == "emulated":
-        net = f"emulated nodes joined by {network.get('inter_node_bw', NA)} links"
+        net = f"emulated nodes joined by {network.get('inter_node_bw', NA)} links, one per node"
     elif network.get("mode") == "loopback":
         net = "loopback (no link between the simulated nodes costs anything)"
     else:
@@ -40,6 +40,28 @@ def _where(results: dict) -> str:
 def _on_cpu(results: dict) -> bool:
     devices = {d for run in (results.get("runs") or {}).values() for d in run.get("device") or []}
     return not devices or devices == {"cpu"}
+
+
+def _ratio_text(head, ref) -> str:
+    return f"{head / ref:.2f}x" if head is not None and ref else NA
+
+
+def _link_bytes_sentence(s_ref: dict, s_head: dict) -> str:
+    """The bytes between nodes, counted on the node links where they were counted (``wire``: the emulated
+    cluster's link counters, frame headers included), the model's figure beside (``link``: the ledger's, gloo's
+    rings on one link per node); on loopback only the model's, and it says so."""
+    counted, model = (s_head.get("wire"), s_ref.get("wire")), (s_head.get("link"), s_ref.get("link"))
+    if None not in counted:
+        return (f"Its node links carried {_ratio_text(*counted)} ZeRO-3's bytes, counted on the links "
+                f"({counted[0] / 1e6:.3f} MB against {counted[1] / 1e6:.3f} MB per rank per step, headers included; "
+                f"the model predicts {_ratio_text(*model)})")
+    if None not in model:
+        return (f"Nothing was counted on links in this run; by the model its node links would carry "
+                f"{_ratio_text(*model)} ZeRO-3's bytes ({model[0] / 1e6:.3f} MB against {model[1] / 1e6:.3f} MB "
+                "per rank per step, gloo's rings on one link per node)")
+    return (f"It sent {_ratio_text(s_head['inter'], s_ref['inter'])} ZeRO-3's bytes in collectives whose group spans "
+            f"nodes ({s_head['inter'] / 1e6:.3f} MB against {s_ref['inter'] / 1e6:.3f} MB per rank per step, the "
+            "ring model; no link figure was recorded)")
 
 
 def opening(results: dict, stats: dict) -> list[str]:
@@ -53,13 +75,10 @@ def opening(results: dict, stats: dict) -> list[str]:
     if ref is not None and head is not None:
         s_ref, s_head = stats[REFERENCE_ARM], stats[HEADLINE_ARM]
         speed = s_ref["step_median"] / s_head["step_median"] if s_head["step_median"] else None
-        inter_ref, inter_head = s_ref["inter"], s_head["inter"]
-        ratio = f"{inter_head / inter_ref:.2f}x" if inter_ref else NA
         text += (f" AsyncHZP's median optimizer step took {s_head['step_median']:.3f} s against ZeRO-3's "
-                 f"{s_ref['step_median']:.3f} s: **{speed:.2f}x** the speed. It sent {ratio} ZeRO-3's bytes between "
-                 f"nodes per step ({inter_head / 1e6:.3f} MB against {inter_ref / 1e6:.3f} MB per rank): its "
-                 "micro-steps gather and reduce inside the node, and only one gradient reduction and one parameter "
-                 "refresh per optimizer step cross nodes")
+                 f"{s_ref['step_median']:.3f} s: **{speed:.2f}x** the speed. " + _link_bytes_sentence(s_ref, s_head)
+                 + ": its micro-steps gather and reduce inside the node, and only one gradient reduction and one "
+                 "parameter refresh per optimizer step cross nodes")
         exposed_ref, exposed_head = s_ref.get("exposed"), s_head.get("exposed")
         if exposed_ref is not None and exposed_head is not None:
             text += (f"; the training thread waited on communication {exposed_head:.3f} s per step against "

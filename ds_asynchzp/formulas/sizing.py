@@ -48,7 +48,7 @@ import math
 import os
 from collections.abc import Iterable
 
-from . import traffic
+from . import links, step_collectives, traffic
 
 logger = logging.getLogger(__name__)
 
@@ -240,23 +240,39 @@ def valid_layouts(world: int, node_size: int) -> list[tuple[int, int, int]]:
 def comm_seconds_per_step(num_params: int, world: int, node_size: int, d_p: int, d_g: int, d_o: int, *,
                           param_bytes: int, grad_comm_bytes: int, grad_accum_steps: int,
                           intra_bw_bytes_s: float, inter_bw_bytes_s: float, offload_optimizer: bool = False,
-                          host_device_bw_bytes_s: float = HOST_DEVICE_BW_BYTES_S) -> tuple[float, dict]:
-    """Estimated communication seconds per optimizer step of one layout, and its ``{"intra_node",
-    "inter_node"}`` bytes: every element gathered, reduced and trained (P_g = P_r = P_t = Ψ), no overlap.
+                          host_device_bw_bytes_s: float = HOST_DEVICE_BW_BYTES_S,
+                          nics_per_node: int | None = None) -> tuple[float, dict]:
+    """Estimated communication seconds per optimizer step of one layout, and the bytes behind it: every element
+    gathered, reduced and trained (P_g = P_r = P_t = Ψ), on NCCL's rings over nodes of ``node_size`` ranks with
+    ``nics_per_node`` NICs each (default one per rank), from `formulas.links`: each collective takes the time of
+    its busiest link (NICs at ``inter_bw_bytes_s`` each, a rank's fabric at ``intra_bw_bytes_s``), one after
+    another, no overlap with compute (`links.step_seconds`). The bytes are ``{"nic_busiest", "fabric_busiest",
+    "nic_s", "fabric_s"}``: the step's bytes on the busiest NIC and the busiest rank's fabric, and their seconds.
 
     With ``offload_optimizer`` the bytes add ``host_device`` (:func:`traffic.asynchzp_host_device_bytes`, both
     directions) and the seconds its copy time at ``host_device_bw_bytes_s``; the network flows are the same."""
     t = traffic.TrafficInputs(world=world, node_size=node_size, grad_accum=grad_accum_steps,
                               gathered_elements=num_params, reduced_elements=num_params,
                               trainable_elements=num_params, param_bytes=param_bytes, grad_comm_bytes=grad_comm_bytes)
-    moved = traffic.asynchzp_bytes(t, d_p, d_g, d_o)
-    seconds = moved["intra_node"] / intra_bw_bytes_s + moved["inter_node"] / inter_bw_bytes_s
+    collectives = step_collectives.asynchzp(t, d_p, d_g, d_o)
+    topology = links.Topology(world, node_size, nics_per_node)
+    load = links.link_load(collectives, topology)
+    times = links.step_seconds(collectives, topology, inter_bw_bytes_s, intra_bw_bytes_s)
+    moved = {"nic_busiest": load.busiest_nic, "fabric_busiest": load.busiest_fabric, "nic_s": times["nic"],
+             "fabric_s": times["fabric"]}
+    seconds = times["total"]
     if offload_optimizer:
         if host_device_bw_bytes_s <= 0:
             raise ValueError("host_device_bw_bytes_s must be > 0")
         moved[traffic.HOST_DEVICE] = traffic.asynchzp_host_device_bytes(t, d_o)["total"]
         seconds += moved[traffic.HOST_DEVICE] / host_device_bw_bytes_s
     return seconds, moved
+
+
+def _links_text(moved: dict, nics: int, node_size: int) -> str:
+    nic = "NIC" if nics == node_size else f"NIC ({nics} per node of {node_size})"
+    return (f"whole step: {nic} {moved['nic_busiest'] / 1e9:.3g} GB in {moved['nic_s']:.3g} s, NVLink per rank "
+            f"{moved['fabric_busiest'] / 1e9:.3g} GB in {moved['fabric_s']:.3g} s")
 
 
 def _gib(n: float) -> str:
@@ -310,14 +326,16 @@ def choose_layout(
     inter_bw_bytes_s: float = 25e9,
     fixed: dict | None = None,
     offload_optimizer: bool = False,
+    nics_per_node: int | None = None,
 ) -> tuple[int, int, int, str]:
     """The ``"auto"`` rule: returns ``(d_p, d_g, d_o, reason)``.
 
     Candidates are :func:`valid_layouts` agreeing with ``fixed`` (``{"param_shard_size": 2, ...}``: the sizes
     the config gives as integers). Those whose model states (:func:`model_state_bytes_per_rank`) fit
     ``budget_bytes`` are ranked by estimated communication seconds per optimizer step
-    (:func:`comm_seconds_per_step`: intra-node bytes / ``intra_bw_bytes_s`` + inter-node bytes /
-    ``inter_bw_bytes_s``); ties go to the smaller memory, then to the smaller sizes. ``budget_bytes=None``
+    (:func:`comm_seconds_per_step`: every collective at the pace of its busiest link, NICs at
+    ``inter_bw_bytes_s`` each with ``nics_per_node`` per node, a rank's fabric at ``intra_bw_bytes_s``); ties go
+    to the layout whose whole-step link times sum less, then to the smaller memory, then to the smaller sizes. ``budget_bytes=None``
     uses :func:`default_budget_bytes`. ``reason`` says, in one or two sentences, how many candidates were
     considered, the winner's memory against the budget and its seconds against the runner-up's.
 
@@ -382,22 +400,27 @@ def choose_layout(
             + (", relax the sizes given as integers" if fixed else "")
             + ", or use plain ZeRO-3 without async_hzp.")
 
-    def seconds(lay: tuple[int, int, int]) -> float:
+    def estimate(lay: tuple[int, int, int]) -> tuple[float, dict]:
         return comm_seconds_per_step(num_params, world, node_size, *lay, param_bytes=param_bytes,
                                      grad_comm_bytes=grad_comm_bytes, grad_accum_steps=grad_accum_steps,
                                      intra_bw_bytes_s=intra_bw_bytes_s, inter_bw_bytes_s=inter_bw_bytes_s,
-                                     offload_optimizer=offload_optimizer)[0]
+                                     offload_optimizer=offload_optimizer, nics_per_node=nics_per_node)
 
-    # Seconds compared to 9 significant digits: layouts with the same cost on paper must tie (then less memory
-    # wins), whatever the float rounding of their sums.
-    ranked = sorted((float(f"{seconds(lay):.9g}"), dev, host, lay) for lay, dev, host in fitting)
-    best_s, best_dev, best_host, best = ranked[0]
-    second_s, second_dev, second_host, second = ranked[1] if len(ranked) > 1 else (best_s, None, None, None)
+    def key(lay: tuple[int, int, int]) -> tuple[float, float]:
+        # Seconds compared to 9 significant digits: layouts with the same cost on paper must tie, whatever the
+        # float rounding of their sums. A tie goes to the layout whose two links' whole-step times sum less.
+        total, moved = estimate(lay)
+        return float(f"{total:.9g}"), float(f"{moved['nic_s'] + moved['fabric_s']:.9g}")
+
+    ranked = sorted((*key(lay), dev, host, lay) for lay, dev, host in fitting)
+    best_s, _, best_dev, best_host, best = ranked[0]
+    second_s, _, second_dev, second_host, second = ranked[1] if len(ranked) > 1 else (best_s, 0, None, None, None)
+    links_text = _links_text(estimate(best)[1], nics_per_node or node_size, node_size)
     best_text, second_text = _distinct(best_s, second_s)
     if not offload_optimizer:
         reason = (f"auto chose {_name(best)} of {len(candidates)} valid layouts ({len(fitting)} fit the budget): "
                   f"model states {_gib(best_dev)} per rank (budget {_gib(budget_bytes)}); estimated communication "
-                  f"{best_text} s per optimizer step")
+                  f"{best_text} s per optimizer step, each collective at its busiest link's pace ({links_text})")
         runner_up_memory = f"{_gib(second_dev)}" if second is not None else ""
         runner_up_copies = ""
     else:
@@ -405,14 +428,14 @@ def choose_layout(
             return comm_seconds_per_step(num_params, world, node_size, *lay, param_bytes=param_bytes,
                                          grad_comm_bytes=grad_comm_bytes, grad_accum_steps=grad_accum_steps,
                                          intra_bw_bytes_s=intra_bw_bytes_s, inter_bw_bytes_s=inter_bw_bytes_s,
-                                         offload_optimizer=True)[1][traffic.HOST_DEVICE]
+                                         offload_optimizer=True, nics_per_node=nics_per_node)[1][traffic.HOST_DEVICE]
 
         reason = (f"auto chose {_name(best)} of {len(candidates)} valid layouts with optimizer offload taken into "
                   f"account (master weights, moments and fp32 gradients on the host, so the budget bounds the "
                   f"device bytes; {len(fitting)} fit): device {_gib(best_dev)} per rank (budget "
                   f"{_gib(budget_bytes)}), host {_gib(best_host)} per rank ({_gib(best_host * node_size)} per node "
-                  f"of {node_size}); estimated communication {best_text} s per optimizer step "
-                  f"({copies(best) / HOST_DEVICE_BW_BYTES_S:.3g} s of it host<->device copies, "
+                  f"of {node_size}); estimated communication {best_text} s per optimizer step, the collectives at their "
+                  f"busiest links' pace ({links_text}) plus {copies(best) / HOST_DEVICE_BW_BYTES_S:.3g} s of host<->device copies ("
                   f"{copies(best) / 1e9:.3g} GB at {HOST_DEVICE_BW_BYTES_S / 1e9:g} GB/s)")
         runner_up_memory = (f"{_gib(second_dev)} on the device and {_gib(second_host)} on the host"
                             if second is not None else "")

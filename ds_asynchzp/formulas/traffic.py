@@ -252,94 +252,12 @@ def host_device_bytes(arm: str, t: TrafficInputs, optimizer_shard_size: int | No
 
 
 # ------------------------------------------------------------------------------------- node-link bytes
-# What the node links of a real (or emulated) cluster carry, per rank, when the backend runs every collective
-# as a ring in rank order, as gloo does: only ring edges between two nodes put bytes on a link, and gloo's
-# reduce-scatter is an all-reduce underneath (two ring passes). A ring of n ranks over s >= 2 nodes has s such
-# edges, so s/n of its members send over a link, (n-1)/n * S each per pass. The pairwise exchange (all_to_all)
-# sends S/n from each member to each other member, on a link when that member sits on another node.
-# The ledger records the same per collective (`link_bytes`); the emulator's link counters measure it.
-GLOO_REDUCE_SCATTER_PASSES = 2
 # Stock ZeRO++'s wire formats (scales left out): qwZ's INT8 weights, qgZ's INT4 gradients.
 ZEROPP_INT8_BYTES = 1.0
 ZEROPP_INT4_BYTES = 0.5
-
-
-def _link_fraction(group_size: int, nodes_spanned: int) -> float:
-    return nodes_spanned / group_size if nodes_spanned >= 2 else 0.0
 
 
 def zeropp_qgz_hop_bytes(qgz_elements: float, node_size: int, nodes: int) -> float:
     """Stock qgZ's cross-node hop per micro-step: the node-reduced 1/G slice of the INT4 gradient, exchanged
     between one rank per node."""
     return ZEROPP_INT4_BYTES * qgz_elements / node_size * _ring(nodes) if nodes > 1 else 0.0
-
-
-def _ring_link_share(groups: list[list[int]], g: int) -> float:
-    """Mean over ranks: is my ring successor (group order, wrapping) on another node?"""
-    crossing = sum(1 for grp in groups for i, r in enumerate(grp) if grp[(i + 1) % len(grp)] // g != r // g)
-    return crossing / sum(len(grp) for grp in groups)
-
-
-def _remote_members(groups: list[list[int]], g: int) -> float:
-    """Mean over ranks of the members of my group that sit on another node."""
-    remote = sum(1 for grp in groups for r in grp for m in grp if m // g != r // g)
-    return remote / sum(len(grp) for grp in groups)
-
-
-def link_bytes(arm: str, t: TrafficInputs, param_shard_size: int = None, grad_shard_size: int = None,
-               optimizer_shard_size: int = None, quantization: QuantizationPlan = NO_QUANTIZATION) -> float:
-    """Bytes per rank per optimizer step over node links (payload only; see module notes).
-
-    For ``arm`` ``"asynchzp"`` (or any name starting with it) the sizes are the layout's (``d_o`` defaults to
-    the world, ``d_g`` to ``d_p``, ``d_p`` to the node size); an offload arm is its twin (:func:`offload_twin`).
-    A quantized gradient flow is a pairwise exchange (a quantized all-reduce: a pairwise exchange, then a ring
-    all-gather)."""
-    twin = offload_twin(arm)
-    n, g, a = t.world, t.node_size, t.grad_accum
-    nodes = n // g
-    rs = GLOO_REDUCE_SCATTER_PASSES
-    world_fraction = _link_fraction(n, nodes) * _ring(n)
-    if twin == "zero3":
-        return a * (2 * t.param_bytes * t.gathered_elements + rs * t.grad_comm_bytes * t.reduced_elements) * world_fraction
-    if twin == "hpz":
-        return (t.param_bytes * t.trainable_elements + a * rs * t.grad_comm_bytes * t.reduced_elements) * world_fraction
-    if twin == "zeropp":
-        # qwZ: one INT8 ring all-gather over the world per step; qgZ: the cross-node hop is a pairwise exchange
-        # of the node-reduced INT4 slice between one rank per node (every byte of it on a link); the gradients
-        # it cannot split are reduce-scattered over the world.
-        q = t.reduced_elements if t.qgz_elements is None else t.qgz_elements
-        hop = zeropp_qgz_hop_bytes(q, g, nodes)
-        fallback = rs * t.grad_comm_bytes * (t.reduced_elements - q) * world_fraction
-        return ZEROPP_INT8_BYTES * t.trainable_elements * world_fraction + a * (hop + fallback)
-    if not twin.startswith("asynchzp"):
-        raise ValueError(f"no node-link formula for arm {arm!r}")
-    d_p = g if param_shard_size is None else param_shard_size
-    d_g = d_p if grad_shard_size is None else grad_shard_size
-    d_o = n if optimizer_shard_size is None else optimizer_shard_size
-    flows = asynchzp_flows(t, d_p, d_g, d_o, quantization)
-    members = {"grad_reduce_scatter": d_g, "boundary_grad": d_o // d_g, "boundary_allreduce": n // d_o}
-    # Pairwise exchanges: the full flow for the boundary gradient and quantized reductions; half of a quantized
-    # all-reduce (its other half, the all-gather, is a ring pass).
-    pairwise = {"boundary_grad": 1.0}
-    if quantization.grad_reduce_scatter is not None:
-        pairwise["grad_reduce_scatter"] = 1.0
-    if quantization.boundary_allreduce is not None:
-        pairwise["boundary_allreduce"] = 0.5
-    passes = {"param_gather": 1, "persistent_regather": 1, "grad_reduce_scatter": rs,
-              "boundary_allreduce": 1,  # all-reduce: its 2 passes are already in the flow's bytes
-              "param_refresh": 1}
-    total = 0.0
-    for name, p in passes.items():
-        ring_share = 1.0 - pairwise.get(name, 0.0)
-        if name == "grad_reduce_scatter" and name in pairwise:
-            p = 1
-        if flows[name]["inter_node"] and ring_share:  # else every group sits inside one node: no link edge
-            total += (sum(flows[name].values()) * ring_share * p
-                      * _ring_link_share(flow_groups(name, n, d_p, d_g, d_o), g))
-    # A pairwise exchange over k members sends S/k to each other member; (k-1)/k * S is the flow's bytes.
-    for name, share in pairwise.items():
-        k = members[name]
-        if k > 1 and flows[name]["inter_node"]:
-            per_member = sum(flows[name].values()) * share / (k - 1)
-            total += per_member * _remote_members(flow_groups(name, n, d_p, d_g, d_o), g)
-    return total

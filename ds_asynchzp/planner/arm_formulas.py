@@ -46,9 +46,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..config import AsyncHZPConfig
-from ..formulas import sizing, traffic
+from ..formulas import sizing, step_collectives, traffic
 from ..layout import HierarchicalLayout
-from ..quantization import QuantizationPlan, plan_quantization
+from ..quantization import NO_QUANTIZATION, QuantizationPlan, plan_quantization
 from . import volume
 
 ARMS = ("zero3", "hpz", "zeropp", "asynchzp", "asynchzp-q")
@@ -121,6 +121,15 @@ def arm_bytes(arm: str, t: traffic.TrafficInputs, d_p: int, d_g: int, d_o: int |
             quantization = arm_quantization(arm, t.world, t.node_size, d_p, d_g, d_o)
         return traffic.asynchzp_bytes(t, d_p, d_g, d_o, quantization)
     raise ValueError(f"unknown arm {arm!r}; known: {', '.join(ARMS)}")
+
+
+def arm_collectives(arm: str, t: traffic.TrafficInputs, d_p: int, d_g: int, d_o: int | None = None,
+                    quantization: QuantizationPlan | None = None) -> list:
+    """The collectives behind :func:`arm_bytes` (`formulas.step_collectives`), for `formulas.links` to place on
+    the links of a topology; an AsyncHZP arm with its quantization plan (:func:`arm_quantization` by default)."""
+    if traffic.offload_twin(arm).startswith("asynchzp") and quantization is None:
+        quantization = arm_quantization(arm, t.world, t.node_size, d_p, d_g, d_o)
+    return step_collectives.arm_collectives(arm, t, d_p, d_g, d_o, quantization or NO_QUANTIZATION)
 
 
 def arm_memory(arm: str, num_params: int, world: int, node_size: int, d_p: int, d_g: int, param_bytes: int,

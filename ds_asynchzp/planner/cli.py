@@ -63,8 +63,8 @@ def _shard_size(text: str) -> int | str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="asynchzp-plan",
-        description="Model-state memory per rank, intra/inter-node bytes and communication time per optimizer "
-                    "step for zero3, hpz, zeropp, asynchzp and asynchzp-q on a given cluster; or --check the "
+        description="Model-state memory per rank, bytes per NIC and per rank's NVLink and communication time per "
+                    "optimizer step for zero3, hpz, zeropp, asynchzp and asynchzp-q on a given cluster; or --check the "
                     "formulas against an asynchzp-bench results.json.")
     model = parser.add_mutually_exclusive_group()
     model.add_argument("--params", type=_argtype(parse_count),
@@ -75,11 +75,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--world", type=_argtype(_positive_int), help="data-parallel ranks")
     parser.add_argument("--node-size", type=_argtype(_positive_int), help="ranks per node; divides --world")
     parser.add_argument("--intra-bw", type=_argtype(parse_bandwidth),
-                        help="intra-node bandwidth per rank, e.g. 400GB/s (B = bytes, b/bit = bits, G = 10^9); "
-                             "default: async_hzp.intra_node_bandwidth_gbps's, 800 Gbit/s")
+                        help="NVLink (intra-node) bandwidth per rank, each direction, e.g. 400GB/s (B = bytes, "
+                             "b/bit = bits, G = 10^9); default: async_hzp.intra_node_bandwidth_gbps's, 800 Gbit/s")
     parser.add_argument("--inter-bw", type=_argtype(parse_bandwidth),
-                        help="inter-node bandwidth per rank, e.g. 200Gbit or 25GB/s; default: "
+                        help="bandwidth of one NIC, e.g. 400Gbit or 50GB/s; default: "
                              "async_hzp.inter_node_bandwidth_gbps's, 200 Gbit/s")
+    parser.add_argument("--nics-per-node", type=_argtype(_positive_int), default=None,
+                        help="NICs per node carrying inter-node traffic, 1 to --node-size (async_hzp.nics_per_node; "
+                             "default: one per rank, as on rail-optimised GPU nodes)")
+    parser.add_argument("--allreduce", choices=("ring", "tree"), default="ring",
+                        help="NCCL's algorithm for all-reduces that span nodes (default: %(default)s)")
     parser.add_argument("--grad-accum", type=_argtype(_positive_int), default=1,
                         help="micro-steps per optimizer step (default: %(default)s)")
     parser.add_argument("--device-memory", type=_argtype(parse_memory),
@@ -172,15 +177,15 @@ def _params(n: int) -> str:
 
 def _offload_row(arm: str, entry: dict) -> list[str]:
     """The offload table's row: memory with offload (and the device's without), every flow, the times."""
-    off, moved, times = entry["offload_optimizer"], entry["bytes_per_step"], entry["comm_time_s"]
+    off, load, times = entry["offload_optimizer"], entry["links"], entry["comm_time_s"]
     copies, fits = off["host_device_bytes_per_step"]["total"], off["fits_device_memory"]
     return [arm, _gib(off["device_bytes"]["total"]), _gib(off["host_bytes"]["total"]),
             _gib(off["without_offload"]["device_bytes"]["total"]), "?" if fits is None else ("yes" if fits else "NO"),
-            f"{moved['intra_node'] / GB:,.1f}", f"{moved['inter_node'] / GB:,.1f}", f"{copies / GB:,.1f}",
+            f"{load['nic_busiest'] / GB:,.1f}", f"{load['fabric_busiest'] / GB:,.1f}", f"{copies / GB:,.1f}",
             f"{times['total']:.2f}", f"{off['host_device_s']:.2f}", f"{off['comm_time_s']:.2f}"]
 
 
-OFFLOAD_HEADER = ["arm", "device/rank", "host/rank", "device w/o offload", "fits", "intra GB/step", "inter GB/step",
+OFFLOAD_HEADER = ["arm", "device/rank", "host/rank", "device w/o offload", "fits", "GB/NIC", "NVLink GB/rank",
                   "h<->d GB/step", "network s", "h<->d s", "comm s/step"]
 
 
@@ -190,8 +195,10 @@ def format_plan(result: dict) -> str:
     lines = [
         f"model: {_params(inp['params'])} params ({inp['padded_params']:,} padded to a multiple of the world), "
         f"{inp['dtype']}; grad accumulation {inp['grad_accum']}",
-        f"cluster: world {inp['world']} = {inp['nodes']} nodes x {inp['node_size']} ranks; per rank intra "
-        f"{_rate(inp['intra_bw_bytes_per_s'])}, inter {_rate(inp['inter_bw_bytes_per_s'])}"
+        f"cluster: world {inp['world']} = {inp['nodes']} nodes x {inp['node_size']} ranks, "
+        + (f"one NIC per rank (the default; --nics-per-node for fewer)" if inp["nics_per_node"] == inp["node_size"]
+           else f"{inp['nics_per_node']} NIC{'s' if inp['nics_per_node'] > 1 else ''} per node")
+        + f"; NVLink {_rate(inp['intra_bw_bytes_per_s'])} per rank, each NIC {_rate(inp['inter_bw_bytes_per_s'])}"
         + (" (async_hzp's defaults where not given)" if inp.get("default_bandwidths") else "")
         + (f"; device memory {_gib(inp['device_memory_bytes'])}" if inp["device_memory_bytes"] else ""),
     ]
@@ -227,10 +234,10 @@ def format_plan(result: dict) -> str:
                      f"{group['per_node']} per node; the layout is chosen for the dense parameters (--params minus "
                      "--expert-params) with d_o = the world; the experts' states come on top of its budget")
     header = (OFFLOAD_HEADER if offload else
-              ["arm", "model states/rank", "fits", "intra GB/step", "inter GB/step", "intra s", "inter s",
-               "comm s/step"])
+              ["arm", "model states/rank", "fits", "GB/NIC", "NVLink GB/rank", "NIC s", "NVLink s",
+               "comm s/step", "sent GB/rank"])
     if moe is not None:
-        header += [f"{f} inter GB" for f in ("dense", "expert", "tokens")]
+        header += [f"{f} GB/NIC" for f in ("dense", "expert", "tokens")]
     rows, not_planned = [header], []
     for arm, entry in result["arms"].items():
         if entry.get("unavailable"):
@@ -240,12 +247,13 @@ def format_plan(result: dict) -> str:
             rows.append(_offload_row(arm, entry))
             continue
         fits = entry["fits_device_memory"]
-        moved, times = entry["bytes_per_step"], entry["comm_time_s"]
+        moved, load, times = entry["bytes_per_step"], entry["links"], entry["comm_time_s"]
         row = [arm, _gib(entry["model_state_bytes"]["total"]), "?" if fits is None else ("yes" if fits else "NO"),
-               f"{moved['intra_node'] / GB:,.1f}", f"{moved['inter_node'] / GB:,.1f}",
-               f"{times['intra_node']:.2f}", f"{times['inter_node']:.2f}", f"{times['total']:.2f}"]
+               f"{load['nic_busiest'] / GB:,.2f}", f"{load['fabric_busiest'] / GB:,.1f}",
+               f"{times['nic']:.2f}", f"{times['fabric']:.2f}", f"{times['total']:.2f}",
+               f"{(moved['intra_node'] + moved['inter_node']) / GB:,.1f}"]
         if moe is not None:
-            row += [f"{entry['by_family'][f]['inter_node'] / GB:,.1f}" for f in ("dense", "expert", "tokens")]
+            row += [f"{entry['links_by_family'][f]['nic_busiest'] / GB:,.2f}" for f in ("dense", "expert", "tokens")]
         rows.append(row)
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     table = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
@@ -255,7 +263,11 @@ def format_plan(result: dict) -> str:
         table += ["", offload_plan.summary(result)]
     legend = [f"  {arm}: {entry['description']}" for arm, entry in result["arms"].items()]
     legend += [f"  - {a}" for a in result["assumptions"]]
-    return "\n".join(lines + [""] + table + ["", "Arms and assumptions (GB = 10^9 bytes, GiB = 2^30):"] + legend)
+    columns = ("  GB/NIC: bytes leaving the busiest NIC per optimizer step (modelled; each NIC receives as much); "
+               "NVLink GB/rank: bytes the busiest rank sends to others of its node; comm s/step: each collective "
+               "at its busiest link's pace, one after another; sent GB/rank: every byte a rank sends, wherever it goes")
+    return "\n".join(lines + [""] + table + ["", "Arms and assumptions (GB = 10^9 bytes, GiB = 2^30):", columns]
+                     + legend)
 
 
 # ------------------------------------------------------------------------------------------ the check
@@ -365,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
         result = plan(_num_params(args, parser), args.world, args.node_size, args.grad_accum, args.dtype,
                       intra_bw, inter_bw, args.device_memory, args.memory_budget,
                       args.param_shard_size, args.grad_shard_size, args.optimizer_shard_size,
-                      args.grad_accum_dtype, moe=moe, offload_optimizer=args.offload_optimizer, sp=sp)
+                      args.grad_accum_dtype, moe=moe, offload_optimizer=args.offload_optimizer, sp=sp,
+                      nics_per_node=args.nics_per_node, allreduce=args.allreduce)
     except ValueError as exc:  # includes AsyncHZPConfigError for an invalid explicit layout
         parser.error(str(exc))
     if default_bandwidths:

@@ -3,20 +3,24 @@ and communication time per optimizer step (`plan`).
 
 The layout comes from :func:`ds_asynchzp.config.resolve_layout` itself (``"auto"`` included, with its reason), the
 arms' figures from `planner.arm_formulas`; `planner.moe`, `planner.offload` and `planner.sequence_parallel` add
-AutoEP's experts, optimizer offload and Ulysses sequence parallelism. Communication time = intra_bytes / intra_bw
-+ inter_bytes / inter_bw: an upper bound of the exposed communication (no overlap assumed).
+AutoEP's experts, optimizer offload and Ulysses sequence parallelism. Every arm's collectives are placed on the
+links of the declared topology by `formulas.links` (NCCL's rings over nodes of ``node_size`` ranks with
+``nics_per_node`` NICs each, default one per rank): bytes leaving the busiest NIC and bytes the busiest rank
+sends over NVLink. Communication time = each collective at the pace of its busiest link, the collectives one
+after another (no overlap between them or with compute, no latency): an upper bound.
 """
 
 from __future__ import annotations
 
 from ..config import AsyncHZPConfig, resolve_layout
 from ..errors import AsyncHZPConfigError
-from ..formulas import sizing
+from ..formulas import links, sizing
 from ..layout import HierarchicalLayout
 from . import moe as moe_plan
 from . import offload as offload_plan
 from . import sequence_parallel as sp_plan
-from .arm_formulas import ARM_DESCRIPTIONS, ARMS, DTYPE_BYTES, arm_bytes, arm_memory, arm_quantization, traffic_inputs
+from .arm_formulas import (ARM_DESCRIPTIONS, ARMS, DTYPE_BYTES, arm_bytes, arm_collectives, arm_memory,
+                           arm_quantization, traffic_inputs)
 
 #: Bandwidths "auto" assumes when the plan is given none: the defaults of the config keys
 #: async_hzp.intra_node_bandwidth_gbps / inter_node_bandwidth_gbps.
@@ -42,7 +46,8 @@ def _ds_config(world: int, grad_accum: int, dtype: str, grad_accum_dtype: str | 
 def resolve_plan_layout(num_params: int, world: int, node_size: int, sizes: dict, *, grad_accum: int = 1,
                         dtype: str = "bf16", grad_accum_dtype: str | None = None, budget_bytes: float | None = None,
                         intra_bw: float | None = None, inter_bw: float | None = None,
-                        offload_optimizer: bool = False, sp: "sp_plan.SpInputs | None" = None) -> dict:
+                        offload_optimizer: bool = False, sp: "sp_plan.SpInputs | None" = None,
+                        nics_per_node: int | None = None) -> dict:
     """The layout the engine resolves for ``sizes`` (``{"param_shard_size": "auto" | int | None, ...}``), through
     :func:`ds_asynchzp.config.resolve_layout` itself: ``{"d_p", "d_g", "d_o", "reason", "error"}``; with
     ``offload_optimizer`` for a ds_config that offloads the optimizer to the host.
@@ -54,6 +59,8 @@ def resolve_plan_layout(num_params: int, world: int, node_size: int, sizes: dict
         section["memory_budget_gb"] = budget_bytes / sizing.BYTES_PER_GB
     section["intra_node_bandwidth_gbps"] = (intra_bw or DEFAULT_INTRA_BW) * 8 / 1e9
     section["inter_node_bandwidth_gbps"] = (inter_bw or DEFAULT_INTER_BW) * 8 / 1e9
+    if nics_per_node is not None:
+        section["nics_per_node"] = nics_per_node
     config = _ds_config(world, grad_accum, dtype, grad_accum_dtype, section, offload_optimizer,
                         4 if sp is None else sp.grad_comm_bytes)
     padded = sizing.padded_num_params([num_params], world)  # as the engine counts before d_o is known
@@ -82,7 +89,8 @@ def plan(num_params: int, world: int, node_size: int, grad_accum: int = 1, dtype
          memory_budget: float | None = None, param_shard_size: int | str | None = "auto",
          grad_shard_size: int | str | None = None, optimizer_shard_size: int | str | None = "auto",
          grad_accum_dtype: str | None = None, moe: "moe_plan.MoeInputs | None" = None,
-         offload_optimizer: bool = False, sp: "sp_plan.SpInputs | None" = None) -> dict:
+         offload_optimizer: bool = False, sp: "sp_plan.SpInputs | None" = None,
+         nics_per_node: int | None = None, allreduce: str = "ring") -> dict:
     """The whole plan as a JSON-ready dict: inputs, the ``"auto"`` pick and why, and per arm memory, bytes, time.
 
     Budget for ``"auto"``: ``memory_budget`` if given, else ``sizing.DEFAULT_BUDGET_FRACTION`` of
@@ -105,7 +113,15 @@ def plan(num_params: int, world: int, node_size: int, grad_accum: int = 1, dtype
     With ``sp`` (Ulysses sequence parallelism, `planner.sequence_parallel`), every arm's gradient flows travel in
     ``sp.grad_comm_bytes`` values and its bytes include the SP all-to-alls (also apart, as ``sp_all_to_all``);
     ``"auto"`` resolves as the engine does under SP.
+
+    ``nics_per_node`` (default: ``node_size``, one NIC per rank) and ``allreduce`` (``"ring"`` or ``"tree"``:
+    NCCL's algorithm for all-reduces spanning nodes) declare the topology: per arm, ``links`` holds the bytes
+    on the busiest NIC and the busiest rank's NVLink (`formulas.links.LinkLoad.summary`), and ``comm_time_s``
+    the seconds on each at ``inter_bw`` per NIC and ``intra_bw`` per rank, and ``total``, each collective at its
+    busiest link's pace, one after another (`formulas.links.step_seconds`).
+    ``bytes_per_step`` keeps the bytes each rank sends (the ring model), split by whether the group spans nodes.
     """
+    topology = links.Topology(world, node_size, nics_per_node, "nccl", allreduce)
     if sp is not None:
         if moe is not None:
             raise ValueError("sequence parallelism is not planned together with AutoEP experts (DeepSpeed 0.19.8 "
@@ -133,7 +149,8 @@ def plan(num_params: int, world: int, node_size: int, grad_accum: int = 1, dtype
     else:
         budget, budget_source = float(sizing.default_budget_bytes(node_size)), "detected on this machine"
     common = dict(grad_accum=grad_accum, dtype=dtype, grad_accum_dtype=grad_accum_dtype, budget_bytes=budget,
-                  intra_bw=intra_bw, inter_bw=inter_bw, offload_optimizer=offload_optimizer, sp=sp)
+                  intra_bw=intra_bw, inter_bw=inter_bw, offload_optimizer=offload_optimizer, sp=sp,
+                  nics_per_node=nics_per_node)
     auto_sizes = dict.fromkeys(sizing.SIZE_KEYS, "auto")
     sizes = dict(zip(sizing.SIZE_KEYS, (param_shard_size, grad_shard_size, optimizer_shard_size)))
     if moe is not None:  # AutoEP allows d_o = world only (config_compat.expert_issues); "auto" picks it
@@ -168,9 +185,11 @@ def plan(num_params: int, world: int, node_size: int, grad_accum: int = 1, dtype
                            grad_comm_bytes=None if sp is None else sp.grad_comm_bytes)
         memory = arm_memory(arm, t.trainable_elements, world, node_size, d_p, d_g, b, d_o=d_o, grad_accum_bytes=a)
         moved = arm_bytes(arm, t, d_p, d_g, d_o)
+        collectives = arm_collectives(arm, t, d_p, d_g, d_o)
         if sp is not None:
             moved = {w: moved[w] + sp_bytes[w] for w in ("intra_node", "inter_node")}
-        families = None
+            collectives += sp_plan.all_to_all_collectives(sp, world, grad_accum, b)
+        families = family_links = None
         if moe is not None:
             if arm in moe_plan.UNSUPPORTED_ARMS:
                 arms[arm] = {"description": ARM_DESCRIPTIONS[arm], "unavailable": moe_plan.UNSUPPORTED_ARMS[arm]}
@@ -181,22 +200,31 @@ def plan(num_params: int, world: int, node_size: int, grad_accum: int = 1, dtype
                                                arm, lay.world, lay.node_size, lay.param_shard_size,
                                                lay.grad_shard_size, lay.optimizer_shard_size))
             families = moe_plan.by_family(moved, expert, moe_plan.token_bytes(moe, world, node_size, grad_accum, b))
+            family_collectives = {
+                "dense": collectives,
+                "expert": moe_plan.expert_collectives(
+                    arm, moe, world, node_size, grad_accum, b, dense_layout,
+                    lambda lay, arm=arm: arm_quantization(arm, lay.world, lay.node_size, lay.param_shard_size,
+                                                          lay.grad_shard_size, lay.optimizer_shard_size)),
+                "tokens": moe_plan.token_collectives(moe, world, grad_accum, b)}
+            family_links = {f: links.link_load(c, topology).summary() for f, c in family_collectives.items()}
+            collectives = [c for fam in family_collectives.values() for c in fam]
             moved = dict(moved, **{w: sum(f[w] for f in families.values()) for w in ("intra_node", "inter_node")})
             expert_states = moe_plan.expert_memory(arm, moe, world, node_size, dense_layout, b, a)
             memory = {k: memory.get(k, 0) + expert_states.get(k, 0) for k in set(memory) | set(expert_states)}
-        times = None
-        if intra_bw and inter_bw:
-            intra_s, inter_s = moved["intra_node"] / intra_bw, moved["inter_node"] / inter_bw
-            times = {"intra_node": intra_s, "inter_node": inter_s, "total": intra_s + inter_s}
+        load = links.link_load(collectives, topology)
+        times = links.step_seconds(collectives, topology, inter_bw, intra_bw) if intra_bw and inter_bw else None
         arms[arm] = {
             "description": ARM_DESCRIPTIONS[arm],
             "model_state_bytes": memory,
             "fits_device_memory": None if device_memory is None else memory["total"] <= device_memory,
+            "links": load.summary(),
             "bytes_per_step": moved,
             "comm_time_s": times,
         }
         if families is not None:
             arms[arm]["by_family"] = families
+            arms[arm]["links_by_family"] = family_links
         if sp is not None:
             arms[arm]["sp_all_to_all"] = sp_bytes
         if offload_optimizer:
@@ -211,13 +239,27 @@ def plan(num_params: int, world: int, node_size: int, grad_accum: int = 1, dtype
         "inputs": {"params": num_params, "padded_params": padded, "world": world, "node_size": node_size,
                    "nodes": world // node_size, "grad_accum": grad_accum, "dtype": dtype, "param_bytes": b,
                    "grad_comm_bytes": b, "grad_accum_bytes": a, "intra_bw_bytes_per_s": intra_bw,
-                   "inter_bw_bytes_per_s": inter_bw, "device_memory_bytes": device_memory},
+                   "inter_bw_bytes_per_s": inter_bw, "device_memory_bytes": device_memory,
+                   "nics_per_node": topology.nics, "allreduce": allreduce, "topology": topology.describe()},
         "auto": auto,
         "layout": {"d_p": d_p, "d_g": d_g, "d_o": d_o, "source": source, "reason": chosen["reason"]},
         "arms": arms,
         "assumptions": [
-            "ring model bytes sent per rank per optimizer step; scalar all-reduces left out",
-            "comm time = intra/intra_bw + inter/inter_bw, bandwidths per rank, no overlap with compute",
+            "bytes per optimizer step placed on physical links: NCCL rings (flat, node by node; every ring edge "
+            "carries (k-1)/k of S, twice for an all-reduce), channels spread evenly over the NICs next to a group's "
+            "members, so a node of a group spanning nodes sends one edge's bytes over its NICs and each member "
+            "(m-1)/m of an edge over NVLink; all-to-alls: to another node out of the NIC on the receiver's rail "
+            "(PXN); buffers large enough to use every channel; scalar all-reduces left out",
+            "all-reduces spanning nodes: " + ("ring (NCCL's choice for large buffers on nodes of several NICs; its "
+                                              "double binary tree moves the same mean bytes per node)"
+                                              if allreduce == "ring" else
+                                              "NCCL's double binary tree over the nodes (2S per inner node, S on 2 "
+                                              "nodes)"),
+            "comm s/step: each collective at the pace of its busiest link (NIC bytes / NIC bandwidth, or a rank's "
+            "NVLink bytes / NVLink bandwidth), the collectives one after another: no overlap between them or with "
+            "compute, no latency, so an upper bound; NIC s and NVLink s: the whole step's bytes on that link, a "
+            "lower bound",
+            "sent GB/rank (JSON bytes_per_step): what each rank sends, split by whether its group spans nodes",
             "zeropp: INT8 weight gathers, hpZ secondary per node, INT4 grads; cross-node grads 0.25x of bf16",
             "asynchzp-q: cross-node gradient exchange and parameter refresh in INT8 blocks of "
             f"{AsyncHZPConfig.model_fields['quantization_block_size'].default} values plus one fp32 scale each; "

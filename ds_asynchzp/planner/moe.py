@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..formulas import sizing, traffic
+from ..formulas import sizing, step_collectives, traffic
+from ..formulas.links import Collective
 from ..layout import HierarchicalLayout, expert_layout, expert_members_per_node
 
 TOKEN_PASSES = 4          # dispatch and combine, forward and backward
@@ -80,6 +81,38 @@ def expert_bytes(arm: str, moe: MoeInputs, world: int, node_size: int, grad_accu
                                   quantization_of(layout))
 
 
+def ep_groups(world: int, ep: int) -> tuple:
+    """AutoEP's expert-parallel groups: ``ep`` consecutive ranks each."""
+    return tuple(tuple(range(start, start + ep)) for start in range(0, world, ep))
+
+
+def token_collectives(moe: MoeInputs, world: int, grad_accum: int, value_bytes: float) -> list:
+    """The token all-to-alls of a step over the expert-parallel groups (`token_bytes` per rank)."""
+    size = grad_accum * TOKEN_PASSES * moe.tokens * moe.top_k * moe.hidden * value_bytes
+    return [Collective("all_to_all", ep_groups(world, moe.ep_size), size, 1, "tokens")]
+
+
+def expert_collectives(arm: str, moe: MoeInputs, world: int, node_size: int, grad_accum: int, dtype_bytes: float,
+                       dense_layout: HierarchicalLayout, quantization_of) -> list | None:
+    """The collectives of `expert_bytes` on global ranks: member i of the expert-data-parallel group of expert
+    slot e is rank e + i*ep."""
+    if arm in UNSUPPORTED_ARMS:
+        return None
+    members, per_node = expert_world(moe, world, node_size)
+    layout = expert_layout(members, per_node, dense_layout)
+    padded = sizing.padded_num_params([moe.expert_params // moe.ep_size], members)
+    t = traffic.TrafficInputs(world=members, node_size=per_node, grad_accum=grad_accum, gathered_elements=padded,
+                              reduced_elements=padded, trainable_elements=padded, param_bytes=dtype_bytes,
+                              grad_comm_bytes=dtype_bytes)
+    if arm == "zero3":
+        sub = step_collectives.zero3(t)
+    else:
+        sub = step_collectives.asynchzp(t, layout.param_shard_size, layout.grad_shard_size, members,
+                                        quantization_of(layout))
+    ep = moe.ep_size
+    return step_collectives.remapped(sub, [lambda i, e=e: e + i * ep for e in range(ep)])
+
+
 def expert_memory(arm: str, moe: MoeInputs, world: int, node_size: int, dense_layout: HierarchicalLayout,
                   param_bytes: int, grad_accum_bytes: int) -> dict | None:
     if arm in UNSUPPORTED_ARMS:
@@ -100,5 +133,5 @@ def by_family(dense: dict, expert: dict, tokens: dict) -> dict:
             for name, part in (("dense", dense), ("expert", expert), ("tokens", tokens))}
 
 
-__all__ = ["MoeInputs", "TOKEN_PASSES", "UNSUPPORTED_ARMS", "by_family", "check", "expert_bytes",
-           "expert_memory", "expert_world", "token_bytes"]
+__all__ = ["MoeInputs", "TOKEN_PASSES", "UNSUPPORTED_ARMS", "by_family", "check", "ep_groups", "expert_bytes",
+           "expert_collectives", "expert_memory", "expert_world", "token_bytes", "token_collectives"]

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..formulas.links import Collective
+
 PASSES = 2     # forward, and the gradients in the backward
 ASSUMPTIONS = [
     "sequence parallelism: Ulysses all-to-alls of q, k, v and the attention output per layer, forward and backward, "
@@ -63,6 +65,16 @@ def all_to_all_bytes(sp: SpInputs, world: int, node_size: int, grad_accum: int, 
     sent = per_layer * sp.layers * PASSES * grad_accum * sp.sequences
     inter = inter_node_share(sp.sp, world, node_size)
     return {"intra_node": sent * (1 - inter), "inter_node": sent * inter}
+
+
+def all_to_all_collectives(sp: SpInputs, world: int, grad_accum: int, value_bytes: float) -> list:
+    """The same all-to-alls as `formulas.links` collectives: over each group of ``sp`` consecutive ranks, each
+    member's buffer holding what it splits among the group."""
+    kv = sp.kv_hidden or sp.hidden
+    size = ((sp.seq_len // sp.sp) * (2 * sp.hidden + 2 * kv) * value_bytes * sp.layers * PASSES * grad_accum
+            * sp.sequences)
+    groups = tuple(tuple(range(start, start + sp.sp)) for start in range(0, world, sp.sp))
+    return [Collective("all_to_all", groups, size, 1, "sp_all_to_all")]
 
 
 def describe(sp: SpInputs, world: int, node_size: int) -> str:
