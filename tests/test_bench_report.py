@@ -161,7 +161,7 @@ def test_ratios_and_bytes_are_computed_from_the_inputs(tmp_path):
         assert row["peak RSS MB"] == f"{entry['peak_memory_bytes'] / 1e6:.1f}"
         assert row["model-state MB"] == f"{entry['model_state_bytes']['total'] / 1e6:.3f}"
         # Measurements a loopback run lacks get no column at all.
-        assert not {"wire MB/step (measured)", "link MB/step (ledger)", "exposed comm s/step", "comm busy s/step",
+        assert not {"link MB/step (counted)", "link MB/step (model)", "counted link ratio vs zero3", "exposed comm s/step", "comm busy s/step",
                     "in collectives s/step (older results)"} & set(row)
     assert rows["hpz"]["inter ratio vs zero3"] == "0.400"
 
@@ -177,8 +177,9 @@ def test_optional_keys_take_precedence_when_present(tmp_path):
         assert row["step s min"] == f"{2.0 + k:.3f}"
         assert row["step s median"] == f"{2.5 + k:.3f}"
         assert row["speed-up vs zero3"] == f"{2.5 / (2.5 + k):.3f}"
-        assert row["wire MB/step (measured)"] == f"{12.5 + k:.3f}"
-        assert row["link MB/step (ledger)"] == f"{12.0 + k:.3f}"
+        assert row["link MB/step (counted)"] == f"{12.5 + k:.3f}"
+        assert row["counted link ratio vs zero3"] == f"{(12.5 + k) / 12.5:.3f}"
+        assert row["link MB/step (model)"] == f"{12.0 + k:.3f}"
         assert row["exposed comm s/step"] == f"{0.75 + k:.3f}"
         assert row["comm busy s/step"] == f"{1.5 + k:.3f}"
         assert "in collectives s/step (older results)" not in row
@@ -483,7 +484,7 @@ def test_summary_leads_with_the_bytes_counted_on_the_links(tmp_path):
     counted = arms["asynchzp"]["wire_bytes_inter_node_per_step"] / arms["zero3"]["wire_bytes_inter_node_per_step"]
     model = arms["asynchzp"]["link_bytes_inter_node_per_step"] / arms["zero3"]["link_bytes_inter_node_per_step"]
     assert f"Its node links carried {counted:.2f}x ZeRO-3's bytes, counted on the links" in summary
-    assert f"the model predicts {model:.2f}x" in summary and "one per node" in summary
+    assert f"the model predicts {model:.2f}x" in summary and "one link per node, shared by its ranks" in summary
     loopback = synthetic_results(optional=True)
     for entry in loopback["arms"].values():
         entry["wire_bytes_inter_node_per_step"] = None
@@ -492,3 +493,22 @@ def test_summary_leads_with_the_bytes_counted_on_the_links(tmp_path):
     plain = report.write_report(synthetic_results(optional=False), tmp_path / "p").read_text(encoding="utf-8")
     assert "It sent 0.04x ZeRO-3's bytes in collectives whose group spans nodes" in plain.split("\n")[2]
     assert "no link figure was recorded" in plain.split("\n")[2]
+
+
+def test_node_links_table_lists_every_counted_link_and_names_the_topology(tmp_path):
+    results = synthetic_results(optional=True)
+    results["config"]["network"]["topology"] = "rails"
+    for k, entry in enumerate(results["arms"].values()):
+        entry["wire_bytes_by_link_per_step"] = {f"node{n}/eth{i}": (k + 1) * 1e6 + n * 1e5 + i * 1e4
+                                                for n in range(2) for i in range(4)}
+    text = report.write_report(results, tmp_path).read_text(encoding="utf-8")
+    assert "one link per rank (rails" in text.split("\n")[2]
+    section = text.split("## Node links", 1)[1].split("\n## ", 1)[0]
+    header = [c.strip() for c in next(line for line in section.splitlines() if line.startswith("|")).strip("|").split("|")]
+    assert header == ["arm", *(f"node{n}/eth{i}" for n in range(2) for i in range(4)), "busiest"]
+    asynchzp = next(line for line in section.splitlines() if line.startswith("| asynchzp"))
+    cells = [c.strip() for c in asynchzp.strip("|").split("|")]
+    assert cells[1] == "3.000" and cells[-1] == f"{3.13:.3f}"
+    # A run that counted nothing per link has no such section.
+    plain = report.write_report(synthetic_results(optional=True), tmp_path / "p").read_text(encoding="utf-8")
+    assert "## Node links" not in plain

@@ -141,6 +141,33 @@ def test_plan_validation():
         EmulatedCluster.create(2, "100mbit", run_prefix="node")
 
 
+def test_rails_plan_one_network_per_rail():
+    """Rails: every node has eth0..eth<R-1>, rail r on 10.200.r.0/24 with its own veth pair (2 nodes) or bridge (more),
+    every device shaped, reverse-path filtering off; a delay (one relay link per node) is refused."""
+    two = EmulatedCluster.create(2, "200mbit", run_prefix="ahzp5", links_per_node=2)
+    assert two.topology == "rails" and two.devices == ["eth0", "eth1"] and two.addresses == ["10.200.0.1", "10.200.0.2"]
+    cmds = [" ".join(c) for c in two.setup_commands()]
+    assert "ip link add eth1 netns ahzp5n0 type veth peer name eth1 netns ahzp5n1" in cmds
+    assert "ip -n ahzp5n1 addr add 10.200.1.2/24 dev eth1" in cmds
+    assert "ip netns exec ahzp5n0 sysctl -q -w net.ipv4.conf.all.rp_filter=0" in cmds
+    assert sum(c.startswith("tc ") for c in cmds) == 4
+    four = EmulatedCluster.create(4, "1gbit", run_prefix="ahzp6", links_per_node=2)
+    cmds = [" ".join(c) for c in four.setup_commands()]
+    assert "ip -n ahzp6sw link add br1 type bridge" in cmds
+    assert "ip link add eth1 netns ahzp6n3 type veth peer name p3r1 netns ahzp6sw" in cmds
+    assert "ip -n ahzp6sw link set p3r1 master br1" in cmds
+    assert sum(c.startswith("tc ") for c in cmds) == 16   # 8 node devices, 8 switch ports
+    for c in two.setup_commands() + four.setup_commands():
+        assert _stays_inside(c, "ahzp"), c
+    with pytest.raises(ValueError, match="--topology rails does not combine with --inter-node-delay"):
+        EmulatedCluster.create(2, "100mbit", delay_ms=1, links_per_node=2)
+    shared = EmulatedCluster.create(2, "200mbit", run_prefix="ahzp5")
+    assert shared.topology == "shared" and shared.devices == ["eth0"]
+    assert not any("rp_filter" in " ".join(c) for c in shared.setup_commands())
+    assert Cluster(2, "100mbit", ranks_per_node=2, links_per_node=2).rank_env()["GLOO_SOCKET_IFNAME"] == \
+        "eth{local_rank}"
+
+
 def test_rank_mapping_without_root():
     cluster = Cluster(2, "100mbit", ranks_per_node=2)  # nothing is created before start()
     ns = cluster.namespaces
@@ -234,6 +261,39 @@ def test_two_nodes_veth_smoke(capsys):
     _check_smoke(results, sent, received)
     with capsys.disabled():
         print(_summary("veth 2x2 @200mbit", results, sent))
+    assert _ours(prefix) == []
+
+
+@needs_netns
+def test_rails_route_by_the_receivers_rail(capsys):
+    """On rails each rank binds to its own link, and bytes for a rank of local index j leave on rail j: a world
+    all-reduce of S over 4 ranks in 2 nodes (gloo's ring 0 -> 1 -> 2 -> 3 -> 0) crosses nodes on 1 -> 2 and 3 -> 0,
+    both into local index 0, so rail 0 of each node carries 2 * 3/4 * S (one ring edge of each pass) and rail 1
+    nothing but stray frames: what `formulas.links` predicts for gloo on one link per rank."""
+    from ds_asynchzp.bench.plan_check import wire_overhead_factor
+    from ds_asynchzp.formulas import links
+
+    with Cluster(2, "unlimited", ranks_per_node=2, links_per_node=2) as cluster:
+        prefix = cluster.spec.run_prefix
+        before = cluster.read_link_bytes()
+        results = launch_local(WORKER, 4, 2, {"numel": NUMEL, "small_iters": 1}, timeout_s=180,
+                               env={**CHILD_ENV, **cluster.rank_env()}, rank_prefix_cmd=cluster.rank_prefix_cmd)
+        after = cluster.read_link_bytes()
+    assert [r["world_sum"] for r in results] == [10.0] * 4
+    sent = {(n, dev): after[n]["links"][dev]["tx"] - before[n]["links"][dev]["tx"]
+            for n in after for dev in after[n]["links"]}
+    load = links.link_load([links.Collective("all_reduce", (tuple(range(4)),), TENSOR_BYTES)],
+                           links.Topology(4, 2, 2, "gloo"))
+    for node in (0, 1):
+        for rail in (0, 1):
+            predicted = load.nic[node][rail]
+            # Frame headers and acknowledgements add at most wire_overhead_factor (less with segmentation
+            # offload); the intra-node all-reduce stays on lo and the small ones are tiny.
+            measured = sent[(node, f"eth{rail}")]
+            assert predicted - 64 * 1024 <= measured <= predicted * wire_overhead_factor(1500) + 64 * 1024, sent
+    assert load.nic[0][0] == pytest.approx(1.5 * TENSOR_BYTES) and load.nic[0][1] == 0
+    with capsys.disabled():
+        print(f"\nrails 2x2: link tx bytes over the launch {sent}")
     assert _ours(prefix) == []
 
 

@@ -526,6 +526,39 @@ def test_check_zero_prediction_and_wire_bytes(tmp_path, capsys):
     assert _check(tmp_path, results, capsys)[0] == 1
 
 
+@pytest.mark.parametrize("topology", ["shared", "rails"])
+def test_check_compares_every_links_counter_with_the_model(topology, tmp_path, capsys):
+    """Link by link: each link's counter (headers off) against `formulas.links` with gloo's rings on the run's
+    topology. On rails zero3's world rings cross nodes into local index 0 only, so rail 0 carries them and the other
+    rails nothing; a link 10 % off fails, as does a link the model leaves idle carrying a ring's worth."""
+    elements = {"gathered": 123_456, "reduced": 100_000, "trainable": 101_000}
+    results = _synthetic_results(elements, with_elements=True)
+    results["config"]["network"] = {"mode": "emulated", "topology": topology, "mtu": 1500}
+    t = traffic.TrafficInputs(world=8, node_size=4, grad_accum=4, gathered_elements=123_456, reduced_elements=100_000,
+                              trainable_elements=101_000, param_bytes=4, grad_comm_bytes=4)
+    factor = plan_check.wire_overhead_factor(1500)
+    predicted = plan_check.link_loads(results["config"], "zero3", t, None, None, None, None)
+    assert sorted(predicted) == ([f"node{n}/eth0" for n in range(2)] if topology == "shared" else
+                                 [f"node{n}/eth{i}" for n in range(2) for i in range(4)])
+    if topology == "rails":
+        assert predicted["node0/eth0"] > 0 and predicted["node0/eth3"] == 0
+    else:
+        assert sum(predicted.values()) == pytest.approx(8 * step_collectives.link_bytes("zero3", t))
+    zero3 = results["arms"]["zero3"]
+    zero3["wire_bytes_by_link_per_step"] = {name: v * factor for name, v in predicted.items()}
+    report = plan_check.check_results(results)
+    rows = [r for r in report["rows"] if r["arm"] == "zero3" and r["quantity"].startswith("link ")]
+    assert len(rows) == len(predicted) and all(r["ok"] for r in rows)
+    assert report["inputs"]["topology"] == topology
+    assert _check(tmp_path, results, capsys)[0] == 0
+    zero3["wire_bytes_by_link_per_step"]["node1/eth0"] *= 1.10
+    assert _check(tmp_path, results, capsys)[0] == 1
+    zero3["wire_bytes_by_link_per_step"]["node1/eth0"] /= 1.10
+    if topology == "rails":   # a rail the model leaves idle carrying rail 0's bytes: the sender's rail, planted
+        zero3["wire_bytes_by_link_per_step"]["node0/eth3"] = predicted["node0/eth0"] * factor
+        assert _check(tmp_path, results, capsys)[0] == 1
+
+
 def test_check_json_and_unreadable_files(tmp_path, capsys):
     results = _synthetic_results({"gathered": 10_000, "reduced": 8_000, "trainable": 8_000}, with_elements=True)
     path = tmp_path / "results.json"

@@ -72,9 +72,10 @@ def aggregate_arm(rank_results: list, warmup: int, tokens_per_step: int) -> dict
     cpu = _per_step_max(by_rank, "cpu_s", n_steps)
     busy = _per_step_max(by_rank, "comm_busy_s", n_steps)
 
-    # Node-link counters: one reader per node (local rank 0), so summing readers counts each link once.
+    # Link counters: one reader per link (local rank 0 of a node on one link per node, every rank on rails), so
+    # summing readers counts each link once.
     readers = [r for r in by_rank if r["steps"][0].get("node_tx_bytes") is not None]
-    wire = None
+    wire = by_link = None
     if readers:
         wire = sum(_steady_mean([st["node_tx_bytes"] for st in r["steps"]], warmup) for r in readers) / n_ranks
     link = mean_over_ranks(lambda st: st["link_bytes"])
@@ -97,6 +98,7 @@ def aggregate_arm(rank_results: list, warmup: int, tokens_per_step: int) -> dict
                              for w in flow_keys} for f in flows}
         if readers:
             wire = sum(r["steady_bytes_per_step"]["node_tx_bytes"] for r in readers) / n_ranks
+            by_link = {r["link"]: r["steady_bytes_per_step"]["node_tx_bytes"] for r in readers if r.get("link")}
         if all("host_device" in s for s in steady):
             host_device = {d: sum(s["host_device"][d] for s in steady) / n_ranks for d in ("to_host", "to_device")}
             host_device["total"] = host_device["to_host"] + host_device["to_device"]
@@ -128,6 +130,8 @@ def aggregate_arm(rank_results: list, warmup: int, tokens_per_step: int) -> dict
         "host_device_bytes_per_step": host_device,
         "link_bytes_inter_node_per_step": link,
         "wire_bytes_inter_node_per_step": wire,
+        # Per link ("node<i>/eth<k>"), counted on the link, per optimizer step (frame headers included).
+        "wire_bytes_by_link_per_step": by_link,
         "comm_time_s": comm_time,
         # Per optimizer step, slowest rank: training thread blocked on communication / any collective in flight.
         "exposed_comm_s": exposed,

@@ -108,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
                          help="emulated one-way inter-node delay in ms (a userspace relay; default: none)")
     network.add_argument("--mtu", type=positive_int, default=9000,
                          help="emulated link MTU; 9000 keeps header overhead near 1 %% (default: %(default)s)")
+    network.add_argument("--topology", default="shared", choices=["shared", "rails"],
+                         help="emulated node links: shared, one per node for all its ranks (cloud instances with "
+                              "one NIC); rails, one per rank, each rank bound to its own, bytes for a rank of "
+                              "another local index routed over that index's rail (GPU nodes with one NIC per GPU) "
+                              "(default: %(default)s)")
     parser.add_argument("--no-report", action="store_true", help="skip report.md and the plots")
     return parser
 
@@ -166,6 +171,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      "support for this CPU); use --dtype bf16 or fp32")
     if args.network == "loopback" and (args.inter_node_delay is not None):
         parser.error("--inter-node-delay needs --network emulated")
+    if args.topology == "rails":
+        if args.network == "loopback":
+            parser.error("--topology rails needs --network emulated")
+        if args.inter_node_delay is not None:
+            parser.error("--topology rails does not combine with --inter-node-delay (the delay relay carries one "
+                         "link per node); use --topology shared for a delay")
     if args.network in ("emulated", "auto"):
         from ds_asynchzp.netem import parse_delay_ms
 
@@ -336,7 +347,8 @@ def run_config(args: argparse.Namespace) -> dict:
         "network": {"mode": args.network,
                     "inter_node_bw": args.inter_node_bw if args.network == "emulated" else None,
                     "inter_node_delay_ms": args.inter_node_delay if args.network == "emulated" else None,
-                    "mtu": args.mtu if args.network == "emulated" else None},
+                    "mtu": args.mtu if args.network == "emulated" else None,
+                    "topology": args.topology if args.network == "emulated" else None},
     }
 
 
@@ -392,7 +404,8 @@ def _run_arms(args: argparse.Namespace, results: dict, cluster=None) -> None:
             workdir = out / "logs" / (logs if args.repeats == 1 else f"{logs}-{repeat + 1}")
             print(f"{label}: {args.nproc} ranks ({args.nproc // args.node_size} nodes x {args.node_size})", flush=True)
             started = time.monotonic()
-            payload = dict(_payload(arm, args), launched_at=time.time(), read_link_counter=cluster is not None)
+            payload = dict(_payload(arm, args), launched_at=time.time(), read_link_counter=cluster is not None,
+                           link_topology=args.topology)
             with StepProgress(workdir / "rank0.log", args.steps, label):
                 # Each run gets fresh processes: DeepSpeed keeps process-wide state such as the hpZ group.
                 rank_results = launch_local(WORKER_TARGET, args.nproc, args.node_size, payload,
@@ -452,8 +465,11 @@ def run_benchmark(args: argparse.Namespace) -> dict:
 
     num_nodes = args.nproc // args.node_size
     with Cluster(num_nodes, args.inter_node_bw, delay_ms=args.inter_node_delay, mtu=args.mtu,
-                 ranks_per_node=args.node_size) as cluster:
-        print(f"emulated cluster: {num_nodes} nodes, links {args.inter_node_bw}"
+                 ranks_per_node=args.node_size,
+                 links_per_node=args.node_size if args.topology == "rails" else 1) as cluster:
+        print(f"emulated cluster: {num_nodes} nodes, "
+              + (f"{args.node_size} links per node, one per rank (rails)" if args.topology == "rails"
+                 else "one link per node") + f", links {args.inter_node_bw}"
               + (f", {args.inter_node_delay} ms one way" if args.inter_node_delay else "") + f", MTU {args.mtu}",
               flush=True)
         _run_arms(args, results, cluster)

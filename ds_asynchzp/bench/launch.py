@@ -147,7 +147,8 @@ def _rank_env(r: int, nproc: int, node_size: int, port: int, overrides: dict | N
     if cpu_info:
         env[CPU_INFO_ENV] = cpu_info
     scripts_first_on_path(env)
-    env.update({k: str(v) for k, v in (overrides or {}).items()})
+    # A value may name the rank's local index (an emulated rail: `eth{local_rank}`).
+    env.update({k: str(v).replace("{local_rank}", str(r % node_size)) for k, v in (overrides or {}).items()})
     if not _is_site_dir(_PACKAGE_ROOT):
         entries = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         if str(_PACKAGE_ROOT) not in entries:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..formulas import step_collectives, traffic
+from ..formulas import links, step_collectives, traffic
 from ..planner import volume
 from ..planner.arm_formulas import DTYPE_BYTES, arm_bytes, arm_quantization
 from ..planner.time_model import cross_node_share, link_seconds, predicted_step_s
@@ -129,7 +129,7 @@ def check_results(results: dict) -> dict:
             world_elements = bench_element_counts(config)
         return world_elements
 
-    rows, notes, layouts, used, link_predictions = [], [], {}, None, {}
+    rows, notes, layouts, used, link_predictions, busiest_links = [], [], {}, None, {}, {}
     for arm, entry in results.get("arms", {}).items():
         if not _is_checked(arm):
             notes.append(f"arm {arm!r} has no formula here; not checked")
@@ -168,15 +168,36 @@ def check_results(results: dict) -> dict:
         wire = entry.get("wire_bytes_inter_node_per_step")
         if wire is not None:
             rows.append(_compare(arm, "inter_node_wire", link, float(wire) / _overhead_of(config)))
+        # Link by link (one per node, or one per rank on rails): the model's bytes leaving each link, gloo's
+        # rings on the run's topology, against that link's counter.
+        per_link = link_loads(config, arm, t, d_p, d_g, d_o, quantization)
+        busiest_links[arm] = max(per_link.values())
+        for name, counted in sorted((entry.get("wire_bytes_by_link_per_step") or {}).items()):
+            if name in per_link:
+                rows.append(_compare(arm, f"link {name}", per_link[name], float(counted) / _overhead_of(config)))
     if not rows:
         notes.append("no arm of results.json could be checked")
     elements = world_elements or used or {"gathered": 0, "reduced": 0, "trainable": 0}
     return {"ok": bool(rows) and all(r["ok"] for r in rows), "rows": rows, "notes": notes,
             "elements": {k: elements[k] for k in ("gathered", "reduced", "trainable")},
             "inputs": {"world": world, "node_size": node_size, "grad_accum": int(config["grad_accum"]),
-                       "dtype": dtype},
+                       "dtype": dtype, "topology": run_topology(config)},
             "asynchzp_layouts": layouts, "wire_overhead_factor": _overhead_of(config),
-            "link_bytes_per_rank": link_predictions}
+            "link_bytes_per_rank": link_predictions, "busiest_link_bytes": busiest_links}
+
+
+def run_topology(config: dict) -> str:
+    """The emulated topology a results.json ran on: "rails" or "shared" (the only one before rails existed)."""
+    return ((config.get("network") or {}).get("topology")) or "shared"
+
+
+def link_loads(config: dict, arm: str, t: traffic.TrafficInputs, d_p, d_g, d_o, quantization) -> dict:
+    """``{"node<i>/eth<k>": bytes per optimizer step}`` leaving each emulated link, by `formulas.links` with gloo's
+    rings on the run's topology (one link per node, or one per rank on rails)."""
+    rails = run_topology(config) == "rails"
+    topology = links.Topology(t.world, t.node_size, t.node_size if rails else 1, "gloo")
+    load = links.link_load(step_collectives.arm_collectives(arm, t, d_p, d_g, d_o, quantization), topology)
+    return {f"node{node}/eth{k}": value for node, nics in enumerate(load.nic) for k, value in enumerate(nics)}
 
 
 # ------------------------------------------------------------ checking a bandwidth sweep's step times
@@ -220,7 +241,10 @@ def check_sweep(sweep: dict) -> dict:
                 notes.append(f"{rate} {arm}: no unshaped run or no link bytes; not checked")
                 continue
             overrides = (config.get("arm_overrides") or {}).get(arm, {}).get("async_hzp")
-            link_s = link_seconds(float(link_bytes), int(config["node_size"]), bits, overhead)
+            if run_topology(config) == "rails":   # the busiest rank's own link
+                link_s = link_seconds(float(checked["busiest_link_bytes"][arm]), 1, bits, overhead)
+            else:
+                link_s = link_seconds(float(link_bytes), int(config["node_size"]), bits, overhead)
             predicted = predicted_step_s(arm, t0, link_s, int(config["grad_accum"]), overrides,
                                          unshaped_entry.get("exposed_comm_s_per_step") or 0.0,
                                          cross_node_share(unshaped_entry.get("timeline")))

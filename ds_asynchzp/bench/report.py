@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from .buffer_table import format_buffer_table
+from .link_table import format_link_table
 from .records import read_results
 from .report_intro import is_job_run, job_provenance, job_workload, opening
 from .timeline_plot import plot_timelines
@@ -255,12 +256,15 @@ def _results_table(arms: dict, stats: dict, config: dict) -> list[str]:
                ("inter ratio vs zero3", lambda a, s: _fmt(ref and _ratio(s["inter"], ref["inter"]), ".3f"))]
     # Optional measurements get a column only when some arm has them, so loopback runs carry no empty columns.
     seconds = lambda v: _fmt(v, ".3f")  # noqa: E731
-    optional = [("link", "link MB/step (ledger)", _mb), ("wire", "wire MB/step (measured)", _mb),
+    optional = [("wire", "link MB/step (counted)", _mb), ("link", "link MB/step (model)", _mb),
                 ("exposed", "exposed comm s/step", seconds), ("busy", "comm busy s/step", seconds),
                 ("in_collectives", "in collectives s/step (older results)", seconds)]
     for key, title, fmt in optional:
         if any(s[key] is not None for s in stats.values()):
             columns.append((title, lambda a, s, key=key, fmt=fmt: fmt(s[key])))
+            if key == "wire":   # the counted ratio right after the counted bytes
+                columns.append(("counted link ratio vs zero3",
+                                lambda a, s: _fmt(_ratio(s["wire"], ref and ref["wire"]), ".3f")))
     host = shows_host_overhead({"config": config})
     if host:
         columns += [(title, lambda a, s, i=i: host_cells(arms[a], arms.get(REFERENCE_ARM))[i])
@@ -273,8 +277,9 @@ def _results_table(arms: dict, stats: dict, config: dict) -> list[str]:
             f"Step time: slowest rank per step; min and median over {' / '.join(kinds)} (or the recorded "
             "`step_time_stats_s`). Tokens/s per rank: recorded, or tokens per step / ranks / step time (its min comes "
             "from the slowest sample). Speed-up: zero3 median step time / the arm's. Bytes: ring-model bytes sent per "
-            "rank per optimizer step, steady-state mean over ranks; MB = 10^6 bytes. Link MB: the ledger's prediction "
-            "of bytes crossing node links; wire MB: bytes counted on the emulated links, per rank. "
+            "rank per optimizer step, steady-state mean over ranks; MB = 10^6 bytes. Link MB (counted): bytes counted "
+            "on the emulated node links (headers included), per rank, with its ratio to zero3's; link MB (model): "
+            "the ledger's prediction of the payload crossing them (gloo's rings on the run's links). "
             + COMM_FOOTNOTE + (DELAY_FOOTNOTE if config.get("comm_delay_ms") else "")
             + (IN_COLLECTIVES_FOOTNOTE if any(s["in_collectives"] is not None for s in stats.values()) else "")
             + "Peak RSS: largest rank. Model-state: rank 0."
@@ -546,7 +551,7 @@ def write_report(results: dict, out_dir: Path) -> Path:
     described = ([*job_provenance(results), *job_workload(results), CPU_OVERLAP_CAVEAT, ""] if job else
                  [*_provenance(env, config), *_workload(results)])
     lines = [title, "", *opening(results, stats), *described, *(unavailable + [""] if unavailable else []),
-             *_results_table(arms, stats, config),
+             *_results_table(arms, stats, config), *format_link_table(arms, config),
              *_bytes_table(arms), *_volume(results), *_offload(results), *_parity(arms), *_layout(arms),
              *_memory(arms), *format_buffer_table(arms), "## Plots", "",
              "![loss per optimizer step and relative difference vs zero3](loss.png)", "",

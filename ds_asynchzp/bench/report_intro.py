@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+from .link_table import topology_text
 from .table import REFERENCE_ARM, max_rel_loss_diff
 
 NA = "n/a"
@@ -29,7 +30,7 @@ def _where(results: dict) -> str:
     nodes = f"{world // node} nodes of {node}" if isinstance(world, int) and isinstance(node, int) and node else NA
     network = config.get("network") or {}
     if network.get("mode") == "emulated":
-        net = f"emulated nodes joined by {network.get('inter_node_bw', NA)} links, one per node"
+        net = f"emulated nodes joined by {network.get('inter_node_bw', NA)} links, {topology_text(config)}"
     elif network.get("mode") == "loopback":
         net = "loopback (no link between the simulated nodes costs anything)"
     else:
@@ -49,7 +50,7 @@ def _ratio_text(head, ref) -> str:
 def _link_bytes_sentence(s_ref: dict, s_head: dict) -> str:
     """The bytes between nodes, counted on the node links where they were counted (``wire``: the emulated
     cluster's link counters, frame headers included), the model's figure beside (``link``: the ledger's, gloo's
-    rings on one link per node); on loopback only the model's, and it says so."""
+    rings on the run's links); on loopback only the model's, and it says so."""
     counted, model = (s_head.get("wire"), s_ref.get("wire")), (s_head.get("link"), s_ref.get("link"))
     if None not in counted:
         return (f"Its node links carried {_ratio_text(*counted)} ZeRO-3's bytes, counted on the links "
@@ -58,7 +59,7 @@ def _link_bytes_sentence(s_ref: dict, s_head: dict) -> str:
     if None not in model:
         return (f"Nothing was counted on links in this run; by the model its node links would carry "
                 f"{_ratio_text(*model)} ZeRO-3's bytes ({model[0] / 1e6:.3f} MB against {model[1] / 1e6:.3f} MB "
-                "per rank per step, gloo's rings on one link per node)")
+                "per rank per step, gloo's rings)")
     return (f"It sent {_ratio_text(s_head['inter'], s_ref['inter'])} ZeRO-3's bytes in collectives whose group spans "
             f"nodes ({s_head['inter'] / 1e6:.3f} MB against {s_ref['inter'] / 1e6:.3f} MB per rank per step, the "
             "ring model; no link figure was recorded)")

@@ -77,7 +77,8 @@ def run_arm(payload: dict) -> dict:
     grad_accum, micro_batch, seq_len = payload["grad_accum"], payload["micro_batch"], payload["seq_len"]
     recorder = StepRecorder(engine, steps=payload["steps"], warmup_steps=int(payload.get("warmup_steps", 0)),
                             node_size=payload["node_size"], rank=rank, world=world,
-                            read_link_counter=bool(payload.get("read_link_counter")), barrier=deepspeed.comm.barrier)
+                            read_link_counter=bool(payload.get("read_link_counter")), barrier=deepspeed.comm.barrier,
+                            link_topology=payload.get("link_topology") or "shared")
     for step in range(payload["steps"]):
         recorder.begin_step()
         loss_sum = 0.0

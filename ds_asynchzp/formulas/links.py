@@ -29,8 +29,10 @@ clusters are built with). Rank of local index i sits next to NIC i*K // G. The l
 
 ``gloo`` (the emulated cluster)
     Every collective is a ring in the group's rank order; gloo's reduce-scatter is an all-reduce underneath
-    (two ring passes). A ring edge between two nodes leaves through the sender's own NIC; an all-to-all message
-    to another node as well. Ring edges and messages inside a node go over the fabric.
+    (two ring passes). A ring edge or an all-to-all message to another node leaves the sender's node through the
+    NIC next to the receiver's local index: the emulated rails are one network per rail and the kernel routes
+    by the receiver's address (`netem.topology`); with one link per node it is that link. Ring edges and
+    messages inside a node go over the fabric.
 
 Only bytes leaving a link are counted (each NIC receives as much for the symmetric collectives here, except
 cross-rail messages, which arrive on the receiver's rail). Pure arithmetic: no torch, no DeepSpeed.
@@ -167,7 +169,7 @@ def _ring(load: LinkLoad, group, edge: float) -> None:
             if t.node_of(successor) == t.node_of(rank):
                 load.fabric[rank] += edge
             else:
-                load.nic[t.node_of(rank)][t.nic_of(rank)] += edge
+                load.nic[t.node_of(rank)][t.nic_of(successor)] += edge
         return
     nodes = _by_node(t, group)
     if len(nodes) == 1:
@@ -233,13 +235,10 @@ def _pairwise(load: LinkLoad, group, per_peer: float) -> None:
         local = on_node[node]
         load.fabric[rank] += (sum(local) - 1) * per_peer
         remote = [total - here for total, here in zip(by_nic, local)]
-        if t.library == "gloo":   # out of the sender's own NIC
-            load.nic[node][own_nic] += sum(remote) * per_peer
-            continue
-        for nic, count in enumerate(remote):   # PXN: out of the NIC on the peer's rail, after a fabric hop to
-            if count:                          # the GPU next to it
+        for nic, count in enumerate(remote):   # out of the NIC on the peer's rail; under NCCL (PXN) after a
+            if count:                          # fabric hop to the GPU next to it, under gloo inside the kernel
                 load.nic[node][nic] += count * per_peer
-                if nic != own_nic:
+                if nic != own_nic and t.library == "nccl":
                     load.fabric[rank] += count * per_peer
 
 

@@ -20,11 +20,22 @@ from ..resolved_layout import LayoutSizes
 from .memory import model_state_bytes
 
 LINK_DEVICE = "eth0"
+#: The emulated cluster's topologies (`netem.topology`): one link per node, or one per rank.
+SHARED, RAILS = "shared", "rails"
 
 
-def node_link_counter() -> str:
+def link_device(rank: int, node_size: int, topology: str) -> str | None:
+    """The link whose transmit counter this rank reads: on one link per node, local rank 0 reads it for its node;
+    on rails every rank reads its own (``eth<local rank>``). None: this rank reads none."""
+    local = rank % node_size
+    if topology == RAILS:
+        return f"eth{local}"
+    return LINK_DEVICE if local == 0 else None
+
+
+def node_link_counter(device: str = LINK_DEVICE) -> str:
     """The transmit counter of an emulated node's link (inside the node's network namespace)."""
-    return f"/sys/class/net/{LINK_DEVICE}/statistics/tx_bytes"
+    return f"/sys/class/net/{device}/statistics/tx_bytes"
 
 
 def _read_int(path: str) -> int:
@@ -145,7 +156,7 @@ class StepRecorder:
     It runs outside the timed and ledger windows."""
 
     def __init__(self, engine, *, steps: int, warmup_steps: int, node_size: int, rank: int, world: int,
-                 read_link_counter: bool = False, barrier=None):
+                 read_link_counter: bool = False, barrier=None, link_topology: str = SHARED):
         self.engine = engine
         self.total_steps = steps
         self.rank, self.world, self.node_size = rank, world, node_size
@@ -154,8 +165,11 @@ class StepRecorder:
         self.timeline_step = max(0, steps - 2)
         self.timeline = None
         # On an emulated cluster, local rank 0 of each node reads its node link's transmit counter (visible inside
-        # the node's namespace): what really crossed between nodes, headers included.
-        self.link_counter = node_link_counter() if read_link_counter and rank % node_size == 0 else None
+        # the node's namespace), or on rails each rank its own link's: what really crossed between nodes, headers
+        # included.
+        device = link_device(rank, node_size, link_topology) if read_link_counter else None
+        self.link_name = None if device is None else f"node{rank // node_size}/{device}"
+        self.link_counter = None if device is None else node_link_counter(device)
         self._barrier = barrier if read_link_counter else None
         self._quiesce = getattr(engine.optimizer, "hzp_quiesce_params", None)
         self.steps: list = []
@@ -248,6 +262,8 @@ class StepRecorder:
         return {
             "rank": self.rank,
             "world_size": self.world,
+            # The link whose transmit counter this rank read (node_tx_bytes), or None.
+            "link": self.link_name,
             # Bytes per steady optimizer step, totalled over all steady steps (see begin_step).
             "steady_bytes_per_step": steady,
             "optimizer_class": type(optimizer).__name__,

@@ -30,6 +30,9 @@ from pathlib import Path
 from . import tracking
 from .topology import DEVICE, NAMESPACE_PREFIX, EmulatedCluster
 
+#: A rank's own link on rails, filled per rank by the launcher.
+RAIL_DEVICE_TEMPLATE = "eth{local_rank}"
+
 __all__ = ["Cluster", "ClusterError", "EmulationUnavailable", "LeftoverNamespaces", "preflight", "find_leftovers"]
 
 find_leftovers = tracking.find_leftovers
@@ -106,11 +109,12 @@ class Cluster:
 
     def __init__(self, num_nodes: int = 2, inter_node_bw: str | int = "200mbit", delay_ms: float | str | None = None,
                  mtu: int | None = None, *, ranks_per_node: int | None = None, ttl_s: float = DEFAULT_TTL_S,
-                 spec: EmulatedCluster | None = None):
+                 spec: EmulatedCluster | None = None, links_per_node: int = 1):
         if spec is None:
             seq = next(_prefix_counter)
             prefix = f"{NAMESPACE_PREFIX}{os.getpid()}" + (f"_{seq}" if seq else "")
-            spec = EmulatedCluster.create(num_nodes, inter_node_bw, delay_ms, mtu, run_prefix=prefix)
+            spec = EmulatedCluster.create(num_nodes, inter_node_bw, delay_ms, mtu, run_prefix=prefix,
+                                          links_per_node=links_per_node)
         self.spec = spec
         self.ranks_per_node = ranks_per_node
         self.ttl_s = ttl_s
@@ -331,21 +335,24 @@ class Cluster:
 
     def rank_env(self) -> dict[str, str]:
         """Environment overrides for ranks: rendezvous at node 0's address, gloo/tensorpipe bound to eth0
-        (unset, gloo resolves the shared hostname, which no namespace can reach)."""
-        return {"MASTER_ADDR": self.spec.addresses[0], "GLOO_SOCKET_IFNAME": DEVICE, "TP_SOCKET_IFNAME": DEVICE}
+        (unset, gloo resolves the shared hostname, which no namespace can reach). On rails each rank binds to its
+        own link: ``{local_rank}`` is filled per rank by the launcher (`bench.launch`)."""
+        device = DEVICE if self.spec.links_per_node == 1 else RAIL_DEVICE_TEMPLATE
+        return {"MASTER_ADDR": self.spec.addresses[0], "GLOO_SOCKET_IFNAME": device, "TP_SOCKET_IFNAME": device}
 
-    def read_link_bytes(self) -> dict[int, dict[str, int]]:
-        """{node: {"tx": bytes, "rx": bytes}} of each node's eth0: what really crossed the node's link
-        (headers included; intra-node traffic goes over lo and never shows up here)."""
+    def read_link_bytes(self) -> dict[int, dict]:
+        """{node: {"tx": bytes, "rx": bytes, "links": {device: {"tx", "rx"}}}}: what really crossed each node's
+        links, summed and per link (headers included; intra-node traffic goes over lo and never shows up here)."""
         if not self._active:
             raise ClusterError("the emulated cluster is not running")
-        stats = f"/sys/class/net/{DEVICE}/statistics"
         counts = {}
         for node, ns in enumerate(self.spec.node_namespaces):
-            out = _run(["ip", "netns", "exec", ns, "cat", f"{stats}/tx_bytes", f"{stats}/rx_bytes"],
-                       f"reading link counters of node {node}")
-            tx, rx = (int(v) for v in out.split())
-            counts[node] = {"tx": tx, "rx": rx}
+            paths = [f"/sys/class/net/{dev}/statistics/{d}_bytes" for dev in self.spec.devices for d in ("tx", "rx")]
+            out = _run(["ip", "netns", "exec", ns, "cat", *paths], f"reading link counters of node {node}")
+            values = [int(v) for v in out.split()]
+            links = {dev: {"tx": values[2 * k], "rx": values[2 * k + 1]} for k, dev in enumerate(self.spec.devices)}
+            counts[node] = {"tx": sum(v["tx"] for v in links.values()), "rx": sum(v["rx"] for v in links.values()),
+                            "links": links}
         return counts
 
     def read_tx_bytes(self) -> dict[int, int]:

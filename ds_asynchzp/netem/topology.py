@@ -11,6 +11,17 @@ Layout (every device name is the same in every node, so ``GLOO_SOCKET_IFNAME=eth
 * tun mode (a one-way delay was requested; the kernel has no netem): ``eth0`` is a TUN device opened by the
   relay process (:mod:`ds_asynchzp.netem.relay`), which forwards packets after the delay.
 
+Two topologies (``links_per_node``):
+
+* ``shared`` (1): the above, one link per node that all its ranks share, as on cloud instances with one NIC;
+* ``rails`` (the ranks per node): one link per rank, as on GPU nodes built with one NIC per GPU. Rail ``r`` is its
+  own network: device ``eth<r>`` in every node, address 10.200.r.(i+1)/24, its own veth pair (two nodes) or bridge
+  ``br<r>`` (more), every device shaped. Local rank ``r`` binds gloo to ``eth<r>``. The kernel sends to an address
+  of rail ``j`` through the node's ``eth<j>``, so bytes for a rank of local index ``j`` on another node leave
+  through the sender node's rail ``j`` and arrive on the receiver's rail ``j``: a rail-only fabric (no spine
+  between the rails), where the hop between rails happens inside the node, as NCCL's PXN does over NVLink.
+  Reverse-path filtering is off in the nodes, since a reply to another rail's address leaves on that rail.
+
 Traffic between ranks of the same node targets the node's own address and is routed over ``lo`` by the kernel,
 so it is never shaped and never counted on ``eth0``.
 """
@@ -40,6 +51,9 @@ DEFAULT_TUN_MTU = 9000
 MIN_MTU, MAX_MTU = 576, 65535
 MAX_NODES = 250  # 10.200.0.1 .. 10.200.0.250 in one /24
 MAX_DELAY_MS = 10_000.0
+TOPOLOGY_FLAG = "--topology"
+TOPOLOGIES = ("shared", "rails")
+MAX_RAILS = 64
 
 # tc's unit names: "bit" units are bits per second, "bps" units are BYTES per second.
 _RATE_UNITS = {
@@ -130,17 +144,19 @@ class EmulatedCluster:
     mtu: int = DEFAULT_VETH_MTU
     run_prefix: str = field(default_factory=_default_prefix)
     num_cpus: int = field(default_factory=lambda: os.cpu_count() or 1)
+    links_per_node: int = 1        # 1: one link per node (shared); more: one per rank (rails)
 
     @classmethod
     def create(cls, num_nodes: int, inter_node_bw: str | int | float, delay_ms: str | float | None = None,
                mtu: int | None = None, run_prefix: str | None = None,
-               num_cpus: int | None = None) -> "EmulatedCluster":
+               num_cpus: int | None = None, links_per_node: int = 1) -> "EmulatedCluster":
         rate = parse_rate(inter_node_bw)
         delay = parse_delay_ms(delay_ms)
         if mtu is None:
             mtu = DEFAULT_TUN_MTU if delay is not None else DEFAULT_VETH_MTU
         spec = cls(num_nodes=num_nodes, rate_bps=rate, delay_ms=delay, mtu=int(mtu),
-                   run_prefix=run_prefix or _default_prefix(), num_cpus=num_cpus or os.cpu_count() or 1)
+                   run_prefix=run_prefix or _default_prefix(), num_cpus=num_cpus or os.cpu_count() or 1,
+                   links_per_node=int(links_per_node))
         spec.validate()
         return spec
 
@@ -154,6 +170,11 @@ class EmulatedCluster:
                              f"got {self.run_prefix!r}")
         if self.delay_ms is not None and self.delay_ms < 0:
             raise ValueError(f"{DELAY_FLAG}: delay must be >= 0 ms, got {self.delay_ms}")
+        if not 1 <= self.links_per_node <= MAX_RAILS:
+            raise ValueError(f"{TOPOLOGY_FLAG} rails: 1..{MAX_RAILS} links per node, got {self.links_per_node}")
+        if self.links_per_node > 1 and self.delay_ms is not None:
+            raise ValueError(f"{TOPOLOGY_FLAG} rails does not combine with {DELAY_FLAG} (the delay relay carries one "
+                             "link per node); use the shared topology for a delay")
 
     # ----- names and addresses -----------------------------------------------------------------------------
 
@@ -177,12 +198,31 @@ class EmulatedCluster:
         return self.node_namespaces + ([self.switch_namespace] if self.switch_namespace else [])
 
     @property
+    def topology(self) -> str:
+        return "rails" if self.links_per_node > 1 else "shared"
+
+    @property
     def addresses(self) -> list[str]:
-        return [f"10.200.0.{i + 1}" for i in range(self.num_nodes)]
+        """Each node's address on its first link (rail 0): the rendezvous address."""
+        return [self.rail_address(i, 0) for i in range(self.num_nodes)]
+
+    def rail_address(self, node: int, rail: int) -> str:
+        return f"10.200.{rail}.{node + 1}"
 
     @property
     def device(self) -> str:
         return DEVICE
+
+    @property
+    def devices(self) -> list[str]:
+        """The link devices of every node: ``eth0`` (shared), ``eth0`` .. ``eth<R-1>`` (rails)."""
+        return [f"eth{r}" for r in range(self.links_per_node)]
+
+    def _port(self, node: int, rail: int) -> str:
+        return f"p{node}" if self.links_per_node == 1 else f"p{node}r{rail}"
+
+    def _bridge(self, rail: int) -> str:
+        return "br0" if self.links_per_node == 1 else f"br{rail}"
 
     @property
     def burst_bytes(self) -> int:
@@ -215,6 +255,9 @@ class EmulatedCluster:
             cmds.append(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", "net.ipv6.conf.default.disable_ipv6=1"])
         for ns in self.node_namespaces:
             cmds.append(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", "net.ipv4.tcp_congestion_control=reno"])
+            if self.links_per_node > 1:   # replies to another rail's address leave on that rail (see above)
+                for key in ("all", "default"):
+                    cmds.append(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", f"net.ipv4.conf.{key}.rp_filter=0"])
         return cmds
 
     def link_commands(self) -> list[list[str]]:
@@ -223,38 +266,43 @@ class EmulatedCluster:
             return []
         nodes = self.node_namespaces
         if self.num_nodes == 2:
-            return [["ip", "link", "add", DEVICE, "netns", nodes[0], "type", "veth",
-                     "peer", "name", DEVICE, "netns", nodes[1]]]
+            return [["ip", "link", "add", dev, "netns", nodes[0], "type", "veth", "peer", "name", dev, "netns", nodes[1]]
+                    for dev in self.devices]
         sw = self.switch_namespace
-        cmds = [["ip", "-n", sw, "link", "add", "br0", "type", "bridge"]]
-        for i, ns in enumerate(nodes):
-            port = f"p{i}"
-            cmds.append(["ip", "link", "add", DEVICE, "netns", ns, "type", "veth", "peer", "name", port,
-                         "netns", sw])
-            cmds.append(["ip", "-n", sw, "link", "set", port, "mtu", str(self.mtu)])
-            cmds.append(["ip", "-n", sw, "link", "set", port, "master", "br0"])
+        cmds = []
+        for rail, dev in enumerate(self.devices):
+            cmds.append(["ip", "-n", sw, "link", "add", self._bridge(rail), "type", "bridge"])
+            for i, ns in enumerate(nodes):
+                port = self._port(i, rail)
+                cmds.append(["ip", "link", "add", dev, "netns", ns, "type", "veth", "peer", "name", port,
+                             "netns", sw])
+                cmds.append(["ip", "-n", sw, "link", "set", port, "mtu", str(self.mtu)])
+                cmds.append(["ip", "-n", sw, "link", "set", port, "master", self._bridge(rail)])
         return cmds
 
     def configure_commands(self) -> list[list[str]]:
         """Address, MTU, shaping and RPS on every device; run after the devices exist (in tun mode: after the
         relay reported them ready)."""
         cmds = []
-        for ns, addr in zip(self.node_namespaces, self.addresses):
-            cmds.append(["ip", "-n", ns, "link", "set", DEVICE, "mtu", str(self.mtu)])
-            cmds.append(["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", DEVICE])
-            cmds.append(["ip", "-n", ns, "link", "set", DEVICE, "up"])
-            if self.rate_bps:
-                cmds.append(self._tbf(ns, DEVICE))  # uplink: everything that leaves the node
-            cmds.append(self._rps(ns, DEVICE))
+        for node, ns in enumerate(self.node_namespaces):
+            for rail, dev in enumerate(self.devices):
+                cmds.append(["ip", "-n", ns, "link", "set", dev, "mtu", str(self.mtu)])
+                cmds.append(["ip", "-n", ns, "addr", "add", f"{self.rail_address(node, rail)}/24", "dev", dev])
+                cmds.append(["ip", "-n", ns, "link", "set", dev, "up"])
+                if self.rate_bps:
+                    cmds.append(self._tbf(ns, dev))  # uplink: everything that leaves the node on this link
+                cmds.append(self._rps(ns, dev))
         sw = self.switch_namespace
         if sw:
-            cmds.append(["ip", "-n", sw, "link", "set", "br0", "up"])
-            for i in range(self.num_nodes):
-                cmds.append(["ip", "-n", sw, "link", "set", f"p{i}", "up"])
-                # Downlink: egress of the switch port towards node i, so incast shares one link's rate.
-                if self.rate_bps:
-                    cmds.append(self._tbf(sw, f"p{i}"))
-                cmds.append(self._rps(sw, f"p{i}"))
+            for rail in range(self.links_per_node):
+                cmds.append(["ip", "-n", sw, "link", "set", self._bridge(rail), "up"])
+                for i in range(self.num_nodes):
+                    port = self._port(i, rail)
+                    cmds.append(["ip", "-n", sw, "link", "set", port, "up"])
+                    # Downlink: egress of the switch port towards node i, so incast shares one link's rate.
+                    if self.rate_bps:
+                        cmds.append(self._tbf(sw, port))
+                    cmds.append(self._rps(sw, port))
         return cmds
 
     def setup_commands(self) -> list[list[str]]:
@@ -280,5 +328,7 @@ class EmulatedCluster:
     def describe(self) -> str:
         delay = f", {self.delay_ms:g} ms one way" if self.delay_ms is not None else ""
         rate = f"{self.rate_bps / 1e6:g} Mbit/s" if self.rate_bps else "unshaped links"
-        return (f"{self.num_nodes} nodes, {rate}{delay}, MTU {self.mtu}, "
+        links = ("one link per node" if self.links_per_node == 1 else
+                 f"{self.links_per_node} links per node, one per rank (rails)")
+        return (f"{self.num_nodes} nodes, {links}, {rate}{delay}, MTU {self.mtu}, "
                 f"{self.mode} links, namespaces {self.run_prefix}*")

@@ -275,7 +275,8 @@ def format_check(report: dict, path: str) -> str:
     inp, el = report["inputs"], report["elements"]
     lines = [f"check {path}: world {inp['world']}, node size {inp['node_size']}, grad accumulation "
              f"{inp['grad_accum']}, {inp['dtype']}; padded elements P_g={el['gathered']:,} P_r={el['reduced']:,} "
-             f"P_t={el['trainable']:,}"]
+             f"P_t={el['trainable']:,}; emulated links: "
+             + ("one per rank (rails)" if inp.get("topology") == "rails" else "one per node")]
     for arm, lay in report["asynchzp_layouts"].items():
         lines.append(f"  {arm}: d_p={lay['d_p']} d_g={lay['d_g']} d_o={lay['d_o']}")
     rows = [["arm", "bytes/step", "predicted", "measured", "diff", ""]]

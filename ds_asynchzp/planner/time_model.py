@@ -2,9 +2,9 @@
 against a benchmark's bandwidth sweep: `asynchzp-plan --check SWEEP/sweep.json`).
 
 Inputs: each arm's step time with unshaped links (compute, and communication at memory speed), the bytes its
-flows put on a node link per optimizer step (the ledger's figure of the unshaped run, else the planner's
-`step_collectives.link_bytes`; per rank, times the ranks of a node, times the frame overhead of the link), and the link's
-rate. An arm that communicates on the training thread (stock ZeRO-3
+flows put on a node link per optimizer step (one link per node: the ledger's figure of the unshaped run, else
+`step_collectives.link_bytes`, per rank, times the ranks of a node; one link per rank, rails: the model's busiest
+link, `formulas.links`), times the frame overhead of the link, and the link's rate. An arm that communicates on the training thread (stock ZeRO-3
 and ZeRO++ on CPU ranks, whose overlap needs CUDA streams; AsyncHZP with ``async_comm: false``) waits for its
 communication, which takes the longer of what it took unshaped (``exposed(unshaped)``: on CPU ranks gloo's
 collectives are bound by the host, not by a fast link) and the link's time::
