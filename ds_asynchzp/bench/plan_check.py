@@ -25,6 +25,10 @@ CHECKED_ARMS = ("zero3", "hpz", "zeropp", "asynchzp")  # and every arm named asy
 CHECK_RTOL = 0.05  # relative to the predicted bytes
 TIME_RTOL = 0.20  # predicted step time against the measured one, relative
 ZERO_PREDICTION_SLACK_BYTES = 1024  # where nothing is predicted, a few scalar all-reduces may still show up
+# A link the model leaves idle still carries frames of the collectives it leaves out (gradient norms, overflow
+# flags, the recorder's barriers; gloo runs small ones in patterns other than its rings): 1.6 KB per step on the
+# idle rails of 2 nodes of 4. It fails only well above that.
+IDLE_LINK_SLACK_BYTES = 16 * 1024
 # Link counters of an emulated network see whole frames, both directions' TCP acknowledgements included; the
 # ledger and the formulas count payload. Per full segment of MSS = MTU - 52 payload bytes (20 IPv4 + 32 TCP with
 # timestamps) a frame adds 52 bytes plus a 14-byte Ethernet header on veth (none on the relay's TUN devices);
@@ -79,9 +83,10 @@ def asynchzp_sizes(results: dict, arm: str, node_size: int, world: int) -> tuple
     return d_p, d_g, d_o
 
 
-def _compare(arm: str, quantity: str, predicted: float, measured: float) -> dict:
+def _compare(arm: str, quantity: str, predicted: float, measured: float,
+             zero_slack: float = ZERO_PREDICTION_SLACK_BYTES) -> dict:
     if predicted == 0:
-        ok, rel = measured < ZERO_PREDICTION_SLACK_BYTES, None
+        ok, rel = measured < zero_slack, None
     else:
         rel = (measured - predicted) / predicted
         ok = abs(rel) <= CHECK_RTOL
@@ -174,7 +179,8 @@ def check_results(results: dict) -> dict:
         busiest_links[arm] = max(per_link.values())
         for name, counted in sorted((entry.get("wire_bytes_by_link_per_step") or {}).items()):
             if name in per_link:
-                rows.append(_compare(arm, f"link {name}", per_link[name], float(counted) / _overhead_of(config)))
+                rows.append(_compare(arm, f"link {name}", per_link[name], float(counted) / _overhead_of(config),
+                                     IDLE_LINK_SLACK_BYTES))
     if not rows:
         notes.append("no arm of results.json could be checked")
     elements = world_elements or used or {"gathered": 0, "reduced": 0, "trainable": 0}

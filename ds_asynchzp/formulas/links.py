@@ -141,13 +141,6 @@ class LinkLoad:
     def mean_fabric(self) -> float:
         return sum(self.fabric) / self.topology.world
 
-    def rank_link(self, rank: int) -> float:
-        """On one NIC per rank: bytes leaving that rank's own NIC; else its share of its node's NICs."""
-        t = self.topology
-        if t.nics == t.node_size:
-            return self.nic[t.node_of(rank)][t.nic_of(rank)]
-        return sum(self.nic[t.node_of(rank)]) / t.node_size
-
     def summary(self) -> dict:
         return {"nic_busiest": self.busiest_nic, "nic_mean": self.mean_nic, "node_busiest": self.busiest_node,
                 "fabric_busiest": self.busiest_fabric, "fabric_mean": self.mean_fabric}
@@ -265,14 +258,6 @@ def link_load(collectives, topology: Topology) -> LinkLoad:
     for collective in collectives:
         add_collective(load, collective)
     return load
-
-
-def loads_by_flow(collectives, topology: Topology) -> dict:
-    """``{flow: LinkLoad}`` for the collectives of each flow name."""
-    out: dict = {}
-    for collective in collectives:
-        add_collective(out.setdefault(collective.flow, LinkLoad.empty(topology)), collective)
-    return out
 
 
 def step_seconds(collectives, topology: Topology, nic_bw_bytes_s: float, fabric_bw_bytes_s: float) -> dict:

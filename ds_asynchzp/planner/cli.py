@@ -292,7 +292,8 @@ def format_check(report: dict, path: str) -> str:
         lines.append(f"inter_node_wire: measured link counters / {report['wire_overhead_factor']:.4f} "
                      "(frame headers and acknowledgements at the run's MTU)")
     tolerance = (f"within {plan_check.CHECK_RTOL:.0%} of the prediction (below "
-                 f"{plan_check.ZERO_PREDICTION_SLACK_BYTES} B where 0 is predicted)")
+                 f"{plan_check.ZERO_PREDICTION_SLACK_BYTES} B where 0 is predicted, {plan_check.IDLE_LINK_SLACK_BYTES} B "
+                 "on a link predicted idle)")
     lines.append(f"PASS: every figure {tolerance}" if report["ok"] else f"FAIL: not every figure {tolerance}")
     return "\n".join(lines)
 
