@@ -45,8 +45,35 @@ def test_a_thread_failure_reaches_the_training_thread_with_its_traceback():
         # The thread is poisoned: later jobs would issue collectives out of step with the other ranks.
         with pytest.raises(CommThreadError):
             after.wait()
-        with pytest.raises(CommThreadError, match="failed earlier"):
+        # A job submitted after the failure names the collective that failed, as a wait on it would.
+        with pytest.raises(CommThreadError, match=r"parameter all-gather on process group 'param_shard' failed on a "
+                                                  r"communication thread \('probe'\) earlier, so fourth job was not "
+                                                  r"issued \(no peer rank is known to be lost\)"):
             thread.submit(lambda: None, "fourth job", "probe_group")
+    finally:
+        assert thread.stop()
+
+
+def test_a_submit_after_a_failure_is_diagnosed_with_the_failed_jobs_ticket():
+    """The diagnosis of a submit on a poisoned thread is the one a wait on the failed job gets (its ticket: where
+    every rank is, which went silent), not only the lost-peer verdict."""
+    seen = []
+
+    def diagnose(ticket=None):
+        seen.append(ticket)
+        return f"no heartbeat from rank(s) 2, 3 (job #{ticket})"
+
+    thread = CommThread("boundary", timeout=30, diagnose=diagnose)
+    try:
+        bad = thread.submit(_failing_collective, "cross-node gradient reduction", "grad_boundary")
+        with pytest.raises(CommThreadError):
+            bad.wait()
+        with pytest.raises(CommThreadError, match=r"cross-node gradient reduction on process group 'grad_boundary' "
+                                                  r"failed on a communication thread \('boundary'\) earlier, so "
+                                                  r"parameter refresh was not issued \(no heartbeat from rank\(s\) "
+                                                  rf"2, 3 \(job #{bad.ticket}\)\)"):
+            thread.submit(lambda: None, "parameter refresh", "param_refresh")
+        assert seen == [bad.ticket, bad.ticket]
     finally:
         assert thread.stop()
 

@@ -123,6 +123,7 @@ class CommThread:
         self.diagnose = diagnose
         self.busy_s = 0.0
         self._failure: Optional[BaseException] = None
+        self._failed: Optional[Pending] = None   # the job whose failure poisoned the thread
         self._queue: "queue.Queue" = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=f"asynchzp-{name}", daemon=True)
         self._thread.start()
@@ -134,9 +135,14 @@ class CommThread:
     def submit(self, job: Callable[[], object], what: str, group: str, after=()) -> Pending:
         """Queue `job`; its stream first waits on the events in `after` (None entries skipped)."""
         if self._failure is not None:
-            lost = self.diagnose() if self.diagnose is not None else None
-            raise CommThreadError(f"the '{self.name}' communication thread failed earlier; {what} was not issued "
-                                  f"({lost or 'no peer rank is known to be lost'}): "
+            # Diagnosed as a wait on the failed job is (with its ticket: where every rank is, who went silent), so the
+            # user reads the same cause whichever the training thread reaches first, this or that wait.
+            failed = self._failed
+            ticket = failed.ticket if failed is not None else None
+            lost = self.diagnose(ticket) if self.diagnose is not None else None
+            origin = (f"{failed.what} on process group '{failed.group}'" if failed is not None else "a job")
+            raise CommThreadError(f"{origin} failed on a communication thread ('{self.name}') earlier, so {what} "
+                                  f"was not issued ({lost or 'no peer rank is known to be lost'}): "
                                   f"{type(self._failure).__name__}: {self._failure}") from self._failure
         if not self._thread.is_alive():
             raise CommThreadError(f"the '{self.name}' communication thread is stopped; {what} was not issued")
@@ -156,7 +162,8 @@ class CommThread:
                     with self.order.turn(pending.ticket, self.name, pending.what, pending.group):
                         self._run_one(job, pending, after)
                 except CommTimeoutError as error:    # its turn never came: it issued nothing
-                    self._failure = self._failure or error
+                    if self._failure is None:
+                        self._failure, self._failed = error, pending
                     pending.finish(error=error)
 
     def _run_one(self, job, pending: Pending, after) -> None:
@@ -168,7 +175,7 @@ class CommThread:
             value, done = _run_on_stream(job, after, self.stream)
             pending.finish(value=value, done_event=done)
         except BaseException as error:  # noqa: BLE001 - handed to the training thread, with its traceback
-            self._failure = error
+            self._failure, self._failed = error, pending
             pending.finish(error=error)
         finally:
             self.busy_s += time.perf_counter() - started
