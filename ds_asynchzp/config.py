@@ -527,7 +527,7 @@ def resolve_layout(
 
     world = world_size
     node = _resolve_node_size(section, local_world_size, world)
-    _nics_per_node(section, node)  # a bad value is an error whether or not "auto" runs
+    nics = _nics_per_node(section, node)  # a bad value is an error whether or not "auto" runs
     autos, fixed = _auto_sizes(section, node, world)
     if autoep_size(ds_config) is not None and "optimizer_shard_size" in autos:
         autos.remove("optimizer_shard_size")  # the only d_o AutoEP's checkpoints allow (config_compat)
@@ -552,7 +552,7 @@ def resolve_layout(
             grad_accum_steps=_grad_accum_steps(ds_config, world // sequence_parallel_size),
             intra_bw_bytes_s=section.intra_node_bandwidth_gbps * 1e9 / 8,
             inter_bw_bytes_s=section.inter_node_bandwidth_gbps * 1e9 / 8, fixed=fixed,
-            nics_per_node=_nics_per_node(section, node), **offload)
+            nics_per_node=nics, **offload)
         d_p, d_g, d_o = chosen
     else:
         d_p, d_g, d_o = (fixed[k] for k in sizing.SIZE_KEYS)

@@ -6,6 +6,7 @@ next node; channels spread over the NICs) and the worked example of 8B parameter
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -184,9 +185,9 @@ def test_planner_figures_are_per_nic_on_nodes_of_eight(params, nodes, capsys):
     argv = ["--params", params, "--world", str(world), "--node-size", "8", "--grad-accum", "8",
             "--param-shard-size", "8", "--optimizer-shard-size", str(world), "--json"]
     assert plan_cli.main(argv) == 0
-    rails = __import__("json").loads(capsys.readouterr().out)
+    rails = json.loads(capsys.readouterr().out)
     assert plan_cli.main([*argv, "--nics-per-node", "1"]) == 0
-    shared = __import__("json").loads(capsys.readouterr().out)
+    shared = json.loads(capsys.readouterr().out)
     psi = rails["inputs"]["padded_params"]
     s = 2 * psi
     zero3 = rails["arms"]["zero3"]["links"]

@@ -175,8 +175,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.network == "loopback":
             parser.error("--topology rails needs --network emulated")
         if args.inter_node_delay is not None:
-            parser.error("--topology rails does not combine with --inter-node-delay (the delay relay carries one "
-                         "link per node); use --topology shared for a delay")
+            from ds_asynchzp.netem.topology import RAILS_WITHOUT_DELAY
+
+            parser.error(RAILS_WITHOUT_DELAY)
     if args.network in ("emulated", "auto"):
         from ds_asynchzp.netem import parse_delay_ms
 

@@ -164,18 +164,18 @@ def check_results(results: dict) -> dict:
             for flow, value in volume.arm_flows(arm, t, d_p, d_g, d_o, quantization).items():
                 rows.append(_compare(arm, f"inter_node {flow}", value,
                                      float((measured_flows.get(flow) or {}).get("inter_node", 0.0))))
-        # Node links carry only the ring edges between nodes (step_collectives.link_bytes), not the whole inter-node
-        # ring-model figure: predicted once, compared with the ledger's own estimate and with the link counters.
-        link = step_collectives.link_bytes(arm, t, d_p, d_g, d_o, quantization)
+        # Node links carry only the ring edges between nodes, not the whole inter-node ring-model figure: the
+        # model's bytes leaving each link (gloo's rings on the run's topology), compared link by link with the
+        # counters below, and per rank (their sum over the world, `step_collectives.link_bytes`, whatever the
+        # topology) with the ledger's own estimate and with the counters' total.
+        per_link = link_loads(config, arm, t, d_p, d_g, d_o, quantization)
+        link = sum(per_link.values()) / world
         link_predictions[arm] = link
         if entry.get("link_bytes_inter_node_per_step") is not None:
             rows.append(_compare(arm, "inter_node_link", link, float(entry["link_bytes_inter_node_per_step"])))
         wire = entry.get("wire_bytes_inter_node_per_step")
         if wire is not None:
             rows.append(_compare(arm, "inter_node_wire", link, float(wire) / _overhead_of(config)))
-        # Link by link (one per node, or one per rank on rails): the model's bytes leaving each link, gloo's
-        # rings on the run's topology, against that link's counter.
-        per_link = link_loads(config, arm, t, d_p, d_g, d_o, quantization)
         busiest_links[arm] = max(per_link.values())
         for name, counted in sorted((entry.get("wire_bytes_by_link_per_step") or {}).items()):
             if name in per_link:

@@ -260,17 +260,27 @@ def link_load(collectives, topology: Topology) -> LinkLoad:
     return load
 
 
+def load_and_seconds(collectives, topology: Topology, nic_bw_bytes_s: float,
+                     fabric_bw_bytes_s: float) -> tuple[LinkLoad, dict]:
+    """The step's `LinkLoad` and its seconds (`step_seconds`), in one pass over the collectives: each is placed
+    on its own load (for its busiest link's time) and then added to the step's."""
+    whole, total = LinkLoad.empty(topology), 0.0
+    for collective in collectives:
+        one = LinkLoad.empty(topology)
+        add_collective(one, collective)
+        total += max(one.busiest_nic / nic_bw_bytes_s, one.busiest_fabric / fabric_bw_bytes_s)
+        for node, nics in zip(whole.nic, one.nic):
+            for k, value in enumerate(nics):
+                node[k] += value
+        whole.fabric = [a + b for a, b in zip(whole.fabric, one.fabric)]
+    return whole, {"nic": whole.busiest_nic / nic_bw_bytes_s, "fabric": whole.busiest_fabric / fabric_bw_bytes_s,
+                   "total": total}
+
+
 def step_seconds(collectives, topology: Topology, nic_bw_bytes_s: float, fabric_bw_bytes_s: float) -> dict:
     """Seconds of a step's collectives: each takes the time of its own busiest link (a ring runs at the pace of
     its slowest edge), and they run one after another, without overlap between them or with compute, so
     ``total`` bounds the step's communication from above. ``nic`` and ``fabric`` are the whole step's bytes on
     the busiest NIC and the busiest rank's fabric at their bandwidths: no schedule is faster than the larger of
     the two."""
-    total = 0.0
-    for collective in collectives:
-        one = LinkLoad.empty(topology)
-        add_collective(one, collective)
-        total += max(one.busiest_nic / nic_bw_bytes_s, one.busiest_fabric / fabric_bw_bytes_s)
-    whole = link_load(collectives, topology)
-    return {"nic": whole.busiest_nic / nic_bw_bytes_s, "fabric": whole.busiest_fabric / fabric_bw_bytes_s,
-            "total": total}
+    return load_and_seconds(collectives, topology, nic_bw_bytes_s, fabric_bw_bytes_s)[1]

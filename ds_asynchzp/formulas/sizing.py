@@ -256,8 +256,7 @@ def comm_seconds_per_step(num_params: int, world: int, node_size: int, d_p: int,
                               trainable_elements=num_params, param_bytes=param_bytes, grad_comm_bytes=grad_comm_bytes)
     collectives = step_collectives.asynchzp(t, d_p, d_g, d_o)
     topology = links.Topology(world, node_size, nics_per_node)
-    load = links.link_load(collectives, topology)
-    times = links.step_seconds(collectives, topology, inter_bw_bytes_s, intra_bw_bytes_s)
+    load, times = links.load_and_seconds(collectives, topology, inter_bw_bytes_s, intra_bw_bytes_s)
     moved = {"nic_busiest": load.busiest_nic, "fabric_busiest": load.busiest_fabric, "nic_s": times["nic"],
              "fabric_s": times["fabric"]}
     seconds = times["total"]
@@ -406,16 +405,18 @@ def choose_layout(
                                      intra_bw_bytes_s=intra_bw_bytes_s, inter_bw_bytes_s=inter_bw_bytes_s,
                                      offload_optimizer=offload_optimizer, nics_per_node=nics_per_node)
 
+    estimates = {lay: estimate(lay) for lay, _, _ in fitting}   # each layout's links placed once
+
     def key(lay: tuple[int, int, int]) -> tuple[float, float]:
         # Seconds compared to 9 significant digits: layouts with the same cost on paper must tie, whatever the
         # float rounding of their sums. A tie goes to the layout whose two links' whole-step times sum less.
-        total, moved = estimate(lay)
+        total, moved = estimates[lay]
         return float(f"{total:.9g}"), float(f"{moved['nic_s'] + moved['fabric_s']:.9g}")
 
     ranked = sorted((*key(lay), dev, host, lay) for lay, dev, host in fitting)
     best_s, _, best_dev, best_host, best = ranked[0]
     second_s, _, second_dev, second_host, second = ranked[1] if len(ranked) > 1 else (best_s, 0, None, None, None)
-    links_text = _links_text(estimate(best)[1], nics_per_node or node_size, node_size)
+    links_text = _links_text(estimates[best][1], nics_per_node or node_size, node_size)
     best_text, second_text = _distinct(best_s, second_s)
     if not offload_optimizer:
         reason = (f"auto chose {_name(best)} of {len(candidates)} valid layouts ({len(fitting)} fit the budget): "
@@ -425,10 +426,7 @@ def choose_layout(
         runner_up_copies = ""
     else:
         def copies(lay: tuple[int, int, int]) -> float:
-            return comm_seconds_per_step(num_params, world, node_size, *lay, param_bytes=param_bytes,
-                                         grad_comm_bytes=grad_comm_bytes, grad_accum_steps=grad_accum_steps,
-                                         intra_bw_bytes_s=intra_bw_bytes_s, inter_bw_bytes_s=inter_bw_bytes_s,
-                                         offload_optimizer=True, nics_per_node=nics_per_node)[1][traffic.HOST_DEVICE]
+            return estimates[lay][1][traffic.HOST_DEVICE]   # estimated with offload, as this branch is
 
         reason = (f"auto chose {_name(best)} of {len(candidates)} valid layouts with optimizer offload taken into "
                   f"account (master weights, moments and fp32 gradients on the host, so the budget bounds the "

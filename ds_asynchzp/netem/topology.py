@@ -53,6 +53,8 @@ MAX_NODES = 250  # 10.200.0.1 .. 10.200.0.250 in one /24
 MAX_DELAY_MS = 10_000.0
 TOPOLOGY_FLAG = "--topology"
 TOPOLOGIES = ("shared", "rails")
+RAILS_WITHOUT_DELAY = (f"{TOPOLOGY_FLAG} rails does not combine with {DELAY_FLAG} (the delay relay carries one link "
+                       f"per node); use {TOPOLOGY_FLAG} shared for a delay")
 MAX_RAILS = 64
 
 # tc's unit names: "bit" units are bits per second, "bps" units are BYTES per second.
@@ -173,8 +175,7 @@ class EmulatedCluster:
         if not 1 <= self.links_per_node <= MAX_RAILS:
             raise ValueError(f"{TOPOLOGY_FLAG} rails: 1..{MAX_RAILS} links per node, got {self.links_per_node}")
         if self.links_per_node > 1 and self.delay_ms is not None:
-            raise ValueError(f"{TOPOLOGY_FLAG} rails does not combine with {DELAY_FLAG} (the delay relay carries one "
-                             "link per node); use the shared topology for a delay")
+            raise ValueError(RAILS_WITHOUT_DELAY)
 
     # ----- names and addresses -----------------------------------------------------------------------------
 

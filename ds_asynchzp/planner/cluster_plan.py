@@ -212,8 +212,10 @@ def plan(num_params: int, world: int, node_size: int, grad_accum: int = 1, dtype
             moved = dict(moved, **{w: sum(f[w] for f in families.values()) for w in ("intra_node", "inter_node")})
             expert_states = moe_plan.expert_memory(arm, moe, world, node_size, dense_layout, b, a)
             memory = {k: memory.get(k, 0) + expert_states.get(k, 0) for k in set(memory) | set(expert_states)}
-        load = links.link_load(collectives, topology)
-        times = links.step_seconds(collectives, topology, inter_bw, intra_bw) if intra_bw and inter_bw else None
+        if intra_bw and inter_bw:
+            load, times = links.load_and_seconds(collectives, topology, inter_bw, intra_bw)
+        else:
+            load, times = links.link_load(collectives, topology), None
         arms[arm] = {
             "description": ARM_DESCRIPTIONS[arm],
             "model_state_bytes": memory,

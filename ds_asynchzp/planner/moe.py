@@ -68,17 +68,22 @@ def expert_bytes(arm: str, moe: MoeInputs, world: int, node_size: int, grad_accu
     `quantization_of(layout)` gives an asynchzp arm's quantization plan for the experts' layout."""
     if arm in UNSUPPORTED_ARMS:
         return None
+    layout, t = _expert_inputs(moe, world, node_size, grad_accum, dtype_bytes, dense_layout)
+    if arm == "zero3":
+        return traffic.zero3_bytes(t)
+    return traffic.asynchzp_bytes(t, layout.param_shard_size, layout.grad_shard_size, t.world,
+                                  quantization_of(layout))
+
+
+def _expert_inputs(moe: MoeInputs, world: int, node_size: int, grad_accum: int, dtype_bytes: float,
+                   dense_layout: HierarchicalLayout) -> tuple:
+    """The experts' layout over their EDP group, and their traffic inputs with that group as the world."""
     members, per_node = expert_world(moe, world, node_size)
-    local = moe.expert_params // moe.ep_size
-    layout = expert_layout(members, per_node, dense_layout)
-    padded = sizing.padded_num_params([local], members)
+    padded = sizing.padded_num_params([moe.expert_params // moe.ep_size], members)
     t = traffic.TrafficInputs(world=members, node_size=per_node, grad_accum=grad_accum, gathered_elements=padded,
                               reduced_elements=padded, trainable_elements=padded, param_bytes=dtype_bytes,
                               grad_comm_bytes=dtype_bytes)
-    if arm == "zero3":
-        return traffic.zero3_bytes(t)
-    return traffic.asynchzp_bytes(t, layout.param_shard_size, layout.grad_shard_size, members,
-                                  quantization_of(layout))
+    return expert_layout(members, per_node, dense_layout), t
 
 
 def ep_groups(world: int, ep: int) -> tuple:
@@ -98,16 +103,11 @@ def expert_collectives(arm: str, moe: MoeInputs, world: int, node_size: int, gra
     slot e is rank e + i*ep."""
     if arm in UNSUPPORTED_ARMS:
         return None
-    members, per_node = expert_world(moe, world, node_size)
-    layout = expert_layout(members, per_node, dense_layout)
-    padded = sizing.padded_num_params([moe.expert_params // moe.ep_size], members)
-    t = traffic.TrafficInputs(world=members, node_size=per_node, grad_accum=grad_accum, gathered_elements=padded,
-                              reduced_elements=padded, trainable_elements=padded, param_bytes=dtype_bytes,
-                              grad_comm_bytes=dtype_bytes)
+    layout, t = _expert_inputs(moe, world, node_size, grad_accum, dtype_bytes, dense_layout)
     if arm == "zero3":
         sub = step_collectives.zero3(t)
     else:
-        sub = step_collectives.asynchzp(t, layout.param_shard_size, layout.grad_shard_size, members,
+        sub = step_collectives.asynchzp(t, layout.param_shard_size, layout.grad_shard_size, t.world,
                                         quantization_of(layout))
     ep = moe.ep_size
     return step_collectives.remapped(sub, [lambda i, e=e: e + i * ep for e in range(ep)])

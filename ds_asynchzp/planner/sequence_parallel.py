@@ -58,11 +58,17 @@ def inter_node_share(sp: int, world: int, node_size: int) -> float:
     return off_node / (world * (sp - 1))
 
 
+def _buffer_bytes(sp: SpInputs, grad_accum: int, value_bytes: float) -> float:
+    """What a rank's all-to-alls split among its SP group per optimizer step: its tokens' q, k, v and output per
+    layer, forward and backward, every micro-step."""
+    kv = sp.kv_hidden or sp.hidden
+    return ((sp.seq_len // sp.sp) * (2 * sp.hidden + 2 * kv) * value_bytes * sp.layers * PASSES * grad_accum
+            * sp.sequences)
+
+
 def all_to_all_bytes(sp: SpInputs, world: int, node_size: int, grad_accum: int, value_bytes: float) -> dict:
     """Bytes a rank sends in Ulysses' all-to-alls per optimizer step, intra- and inter-node."""
-    kv = sp.kv_hidden or sp.hidden
-    per_layer = (sp.seq_len // sp.sp) * (2 * sp.hidden + 2 * kv) * value_bytes * (sp.sp - 1) / sp.sp
-    sent = per_layer * sp.layers * PASSES * grad_accum * sp.sequences
+    sent = _buffer_bytes(sp, grad_accum, value_bytes) * (sp.sp - 1) / sp.sp
     inter = inter_node_share(sp.sp, world, node_size)
     return {"intra_node": sent * (1 - inter), "inter_node": sent * inter}
 
@@ -70,11 +76,8 @@ def all_to_all_bytes(sp: SpInputs, world: int, node_size: int, grad_accum: int, 
 def all_to_all_collectives(sp: SpInputs, world: int, grad_accum: int, value_bytes: float) -> list:
     """The same all-to-alls as `formulas.links` collectives: over each group of ``sp`` consecutive ranks, each
     member's buffer holding what it splits among the group."""
-    kv = sp.kv_hidden or sp.hidden
-    size = ((sp.seq_len // sp.sp) * (2 * sp.hidden + 2 * kv) * value_bytes * sp.layers * PASSES * grad_accum
-            * sp.sequences)
     groups = tuple(tuple(range(start, start + sp.sp)) for start in range(0, world, sp.sp))
-    return [Collective("all_to_all", groups, size, 1, "sp_all_to_all")]
+    return [Collective("all_to_all", groups, _buffer_bytes(sp, grad_accum, value_bytes), 1, "sp_all_to_all")]
 
 
 def describe(sp: SpInputs, world: int, node_size: int) -> str:
