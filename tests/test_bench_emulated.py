@@ -67,6 +67,9 @@ def test_link_counters_are_recorded_for_every_arm(results):
         assert sorted(links) == ([f"node{n}/eth{i}" for n in range(2) for i in range(2)] if rails else
                                  ["node0/eth0", "node1/eth0"])
         assert sum(links.values()) / 4 == pytest.approx(entry["wire_bytes_inter_node_per_step"])
+        # Frames per link, for their headers, and every rank's messages to other nodes, for gloo's control bytes.
+        assert sorted(entry["wire_packets_by_link_per_step"]) == sorted(links)
+        assert entry["crossing_messages_per_step"]["ring"]
     # The point of the placement, seen on the wire itself.
     assert (results["arms"]["asynchzp"]["wire_bytes_inter_node_per_step"]
             < 0.5 * results["arms"]["zero3"]["wire_bytes_inter_node_per_step"])
@@ -78,3 +81,6 @@ def test_planner_predicts_ledger_and_wire_within_five_percent(results):
     assert ("asynchzp", "inter_node_wire") in quantities and ("zero3", "inter_node_wire") in quantities
     assert ("zero3", "link node1/eth0") in quantities and ("asynchzp", "link node0/eth0") in quantities
     assert report["ok"], [row for row in report["rows"] if not row["ok"]]
+    # With each frame's headers off and gloo's control bytes on, the busy links are within 1 %.
+    busy = [row for row in report["rows"] if row["quantity"].startswith("link ") and row["predicted"] > 1e5]
+    assert busy and all(abs(row["rel_diff"]) < 0.01 for row in busy), busy

@@ -27,16 +27,19 @@ def test_time_model_waits_for_the_link_on_the_training_thread_and_hides_a_micro_
     link = time_model.link_seconds(1e6, 4, 100e6, overhead=1.0)  # 4 MB per node at 100 Mbit/s
     assert link == pytest.approx(0.32)
     assert time_model.predicted_step_s("zero3", 1.0, link, 4) == pytest.approx(1.32)
-    # Communication that took longer unshaped (host-bound collectives) than the link needs stays as it was.
-    assert time_model.predicted_step_s("zero3", 1.0, link, 4, unshaped_exposed_s=0.5) == pytest.approx(1.0)
-    assert time_model.predicted_step_s("zero3", 1.0, link, 4, unshaped_exposed_s=0.1) == pytest.approx(1.22)
+    # Host-bound collectives (0.5 s unshaped): between the link entirely under the host's work (1.0) and none of it
+    # (1.32), the midpoint.
+    assert time_model.step_bounds_s("zero3", 1.0, link, 4, unshaped_exposed_s=0.5) == pytest.approx((1.0, 1.32))
+    assert time_model.predicted_step_s("zero3", 1.0, link, 4, unshaped_exposed_s=0.5) == pytest.approx(1.16)
+    assert time_model.predicted_step_s("zero3", 1.0, link, 4, unshaped_exposed_s=0.1) == pytest.approx(1.27)
     assert time_model.predicted_step_s("asynchzp-sync", 1.0, link, 4) == pytest.approx(1.32)
     assert time_model.predicted_step_s("asynchzp", 1.0, link, 4) == pytest.approx(1.07)
+    assert time_model.step_bounds_s("asynchzp", 1.0, link, 4) == pytest.approx((1.07, 1.32))
     assert time_model.predicted_step_s("asynchzp-q", 1.0, 0.1, 4) == pytest.approx(1.0)
     assert time_model.link_seconds(1e6, 4, None) == 0.0
-    # Only the cross-node share of the exposure is replaced by the link: waits inside a node stay.
-    assert time_model.predicted_step_s("hpz", 1.0, link, 4, unshaped_exposed_s=0.5,
-                                       crossing_share=0.4) == pytest.approx(1.0 - 0.2 + 0.32)
+    # Only the cross-node share of the exposure meets the link: waits inside a node stay in both bounds.
+    assert time_model.step_bounds_s("hpz", 1.0, link, 4, unshaped_exposed_s=0.5,
+                                    crossing_share=0.4) == pytest.approx((1.0 - 0.2 + 0.32, 1.32))
 
 
 def test_cross_node_share_counts_waits_while_a_cross_node_collective_is_in_flight():

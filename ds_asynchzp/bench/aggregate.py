@@ -75,7 +75,7 @@ def aggregate_arm(rank_results: list, warmup: int, tokens_per_step: int) -> dict
     # Link counters: one reader per link (local rank 0 of a node on one link per node, every rank on rails), so
     # summing readers counts each link once.
     readers = [r for r in by_rank if r["steps"][0].get("node_tx_bytes") is not None]
-    wire = by_link = None
+    wire = by_link = packets_by_link = crossing = None
     if readers:
         wire = sum(_steady_mean([st["node_tx_bytes"] for st in r["steps"]], warmup) for r in readers) / n_ranks
     link = mean_over_ranks(lambda st: st["link_bytes"])
@@ -99,6 +99,16 @@ def aggregate_arm(rank_results: list, warmup: int, tokens_per_step: int) -> dict
         if readers:
             wire = sum(r["steady_bytes_per_step"]["node_tx_bytes"] for r in readers) / n_ranks
             by_link = {r["link"]: r["steady_bytes_per_step"]["node_tx_bytes"] for r in readers if r.get("link")}
+            # Frames per link, where the recorder read them (older records did not): their headers come off.
+            packets_by_link = {r["link"]: r["steady_bytes_per_step"]["node_tx_packets"] for r in readers
+                               if r.get("link") and r["steady_bytes_per_step"].get("node_tx_packets") is not None}
+            packets_by_link = packets_by_link if len(packets_by_link) == len(by_link) else None
+        if all("crossing_messages" in s for s in steady):
+            # Every rank's messages to ranks of other nodes, keyed "src>dst": the library's control bytes per
+            # message ride on the links they cross (`bench.plan_check`).
+            crossing = {style: {f"{r['rank']}>{peer}": count
+                                for r, s in zip(by_rank, steady) for peer, count in s["crossing_messages"][style].items()}
+                        for style in ("ring", "pairwise")}
         if all("host_device" in s for s in steady):
             host_device = {d: sum(s["host_device"][d] for s in steady) / n_ranks for d in ("to_host", "to_device")}
             host_device["total"] = host_device["to_host"] + host_device["to_device"]
@@ -132,6 +142,8 @@ def aggregate_arm(rank_results: list, warmup: int, tokens_per_step: int) -> dict
         "wire_bytes_inter_node_per_step": wire,
         # Per link ("node<i>/eth<k>"), counted on the link, per optimizer step (frame headers included).
         "wire_bytes_by_link_per_step": by_link,
+        "wire_packets_by_link_per_step": packets_by_link,
+        "crossing_messages_per_step": crossing,
         "comm_time_s": comm_time,
         # Per optimizer step, slowest rank: training thread blocked on communication / any collective in flight.
         "exposed_comm_s": exposed,

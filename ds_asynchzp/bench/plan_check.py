@@ -17,7 +17,7 @@ from pathlib import Path
 from ..formulas import links, step_collectives, traffic
 from ..planner import volume
 from ..planner.arm_formulas import DTYPE_BYTES, arm_bytes, arm_quantization
-from ..planner.time_model import cross_node_share, link_seconds, predicted_step_s
+from ..planner.time_model import cross_node_share, link_seconds, predicted_step_s, step_bounds_s
 from ..quantization import NO_QUANTIZATION
 from .records import read_results
 
@@ -30,17 +30,32 @@ ZERO_PREDICTION_SLACK_BYTES = 1024  # where nothing is predicted, a few scalar a
 # idle rails of 2 nodes of 4. It fails only well above that.
 IDLE_LINK_SLACK_BYTES = 16 * 1024
 # Link counters of an emulated network see whole frames, both directions' TCP acknowledgements included; the
-# ledger and the formulas count payload. Per full segment of MSS = MTU - 52 payload bytes (20 IPv4 + 32 TCP with
-# timestamps) a frame adds 52 bytes plus a 14-byte Ethernet header on veth (none on the relay's TUN devices);
-# the receiver acknowledges every second segment with a header-only frame. At MTU 1500 on veth that is
-# 1514/1448 + 66/2896 = 1.068 (a 4 MiB all-reduce measured 1.065); at MTU 9000, 1.011.
+# ledger and the formulas count payload. Every frame carries 52 bytes of IPv4 and TCP headers (timestamps on),
+# plus a 14-byte Ethernet header on veth (none on the relay's TUN devices); an acknowledgement is headers only.
+# Where the run counted frames, the payload is exactly the bytes less each frame's headers (`counted_payload`),
+# whatever the messages' sizes: a small message ends in a partial frame, so a fixed factor undercounts the
+# headers of many small messages (ZeRO++'s quantized gathers: +7 % to +20 %). Older records have no frame
+# count; for them, full frames are assumed: per segment of MSS = MTU - 52 payload bytes one frame, and one
+# acknowledgement per second segment. At MTU 1500 on veth that is 1514/1448 + 66/2896 = 1.068; at 9000, 1.011.
 TCP_IP_HEADER_BYTES = 52
 ETHERNET_HEADER_BYTES = 14
+# Gloo adds control bytes to every message it sends (an operation header, and notifications between the two
+# ranks on the same connection), the same for every message size. Measured on the emulated cluster (2 nodes of 2,
+# 200 calls each of 4 KiB, 64 KiB and 1 MiB, headers off by frame count): a ring step's message (all-gather,
+# all-reduce, reduce-scatter) 289 B on the two nodes' links together, an all-to-all's message 146 B, a
+# point-to-point send 100 B on the sender's link and 52 B back on the receiver's. Split as that send is: (on the
+# link the message leaves by, on the receiver's link of the same rail). Counted messages come from the ledger
+# (`crossing_messages_per_step`); they matter for many small calls (ZeRO++'s quantized gathers), not for big ones.
+GLOO_CONTROL_BYTES = {"ring": (190.0, 99.0), "pairwise": (96.0, 50.0)}
+
+
+def frame_header_bytes(ethernet: bool = True) -> int:
+    return TCP_IP_HEADER_BYTES + (ETHERNET_HEADER_BYTES if ethernet else 0)
 
 
 def wire_overhead_factor(mtu: int = 1500, ethernet: bool = True) -> float:
     mss = mtu - TCP_IP_HEADER_BYTES
-    frame_header = TCP_IP_HEADER_BYTES + (ETHERNET_HEADER_BYTES if ethernet else 0)
+    frame_header = frame_header_bytes(ethernet)
     return (mss + frame_header) / mss + frame_header / (2 * mss)
 
 
@@ -93,10 +108,21 @@ def _compare(arm: str, quantity: str, predicted: float, measured: float,
     return {"arm": arm, "quantity": quantity, "predicted": predicted, "measured": measured, "rel_diff": rel, "ok": ok}
 
 
+def _on_relay(config: dict) -> bool:
+    return (config.get("network") or {}).get("inter_node_delay_ms") not in (None, 0, "0")
+
+
 def _overhead_of(config: dict) -> float:
     network = config.get("network") or {}
-    relay = network.get("inter_node_delay_ms") not in (None, 0, "0")
-    return wire_overhead_factor(int(network.get("mtu") or 1500), ethernet=not relay)
+    return wire_overhead_factor(int(network.get("mtu") or 1500), ethernet=not _on_relay(config))
+
+
+def counted_payload(config: dict, frame_bytes: float, frames: float | None) -> float:
+    """Payload bytes a link carried: its counted bytes less every counted frame's headers, or, without a frame
+    count, divided by the full-frame factor."""
+    if frames is None:
+        return frame_bytes / _overhead_of(config)
+    return frame_bytes - frames * frame_header_bytes(ethernet=not _on_relay(config))
 
 
 def _is_checked(arm: str) -> bool:
@@ -173,14 +199,23 @@ def check_results(results: dict) -> dict:
         link_predictions[arm] = link
         if entry.get("link_bytes_inter_node_per_step") is not None:
             rows.append(_compare(arm, "inter_node_link", link, float(entry["link_bytes_inter_node_per_step"])))
+        # What the counters see is the payload plus gloo's control bytes of the messages the ledger counted.
+        control = control_link_loads(config, entry.get("crossing_messages_per_step"))
+        on_wire = {name: value + control.get(name, 0.0) for name, value in per_link.items()}
+        counted_links = entry.get("wire_bytes_by_link_per_step") or {}
+        frames = entry.get("wire_packets_by_link_per_step")
+        payloads = {name: counted_payload(config, float(counted), None if frames is None else float(frames[name]))
+                    for name, counted in counted_links.items()}
         wire = entry.get("wire_bytes_inter_node_per_step")
-        if wire is not None:
-            rows.append(_compare(arm, "inter_node_wire", link, float(wire) / _overhead_of(config)))
+        if frames is not None and payloads:   # per rank, from the links' payloads
+            rows.append(_compare(arm, "inter_node_wire", sum(on_wire.values()) / world, sum(payloads.values()) / world))
+        elif wire is not None:
+            rows.append(_compare(arm, "inter_node_wire", sum(on_wire.values()) / world,
+                                 counted_payload(config, float(wire), None)))
         busiest_links[arm] = max(per_link.values())
-        for name, counted in sorted((entry.get("wire_bytes_by_link_per_step") or {}).items()):
-            if name in per_link:
-                rows.append(_compare(arm, f"link {name}", per_link[name], float(counted) / _overhead_of(config),
-                                     IDLE_LINK_SLACK_BYTES))
+        for name, payload in sorted(payloads.items()):
+            if name in on_wire:
+                rows.append(_compare(arm, f"link {name}", on_wire[name], payload, IDLE_LINK_SLACK_BYTES))
     if not rows:
         notes.append("no arm of results.json could be checked")
     elements = world_elements or used or {"gathered": 0, "reduced": 0, "trainable": 0}
@@ -189,7 +224,29 @@ def check_results(results: dict) -> dict:
             "inputs": {"world": world, "node_size": node_size, "grad_accum": int(config["grad_accum"]),
                        "dtype": dtype, "topology": run_topology(config)},
             "asynchzp_layouts": layouts, "wire_overhead_factor": _overhead_of(config),
+            "frame_header_bytes": frame_header_bytes(ethernet=not _on_relay(config)),
+            "control_counted": any(e.get("crossing_messages_per_step") for e in results.get("arms", {}).values()),
+            "frames_counted": any(e.get("wire_packets_by_link_per_step") for e in results.get("arms", {}).values()),
             "link_bytes_per_rank": link_predictions, "busiest_link_bytes": busiest_links}
+
+
+def control_link_loads(config: dict, crossing: dict | None) -> dict:
+    """``{"node<i>/eth<k>": bytes per optimizer step}`` of gloo's control bytes (`GLOO_CONTROL_BYTES`) for the
+    run's messages between nodes (``{"ring" | "pairwise": {"src>dst": count}}``), on the links their payload
+    takes: out of the sender's node on the receiver's rail (rails) or its one link, and the answers back out of
+    the receiver's node on that rail."""
+    node_size = int(config["node_size"])
+    rails = run_topology(config) == "rails"
+    loads: dict = {}
+    for style, pairs in (crossing or {}).items():
+        out_bytes, back_bytes = GLOO_CONTROL_BYTES[style]
+        for key, count in pairs.items():
+            src, dst = (int(r) for r in key.split(">"))
+            rail = dst % node_size if rails else 0
+            for node, per_message in ((src // node_size, out_bytes), (dst // node_size, back_bytes)):
+                name = f"node{node}/eth{rail}"
+                loads[name] = loads.get(name, 0.0) + count * per_message
+    return loads
 
 
 def run_topology(config: dict) -> str:
@@ -251,11 +308,13 @@ def check_sweep(sweep: dict) -> dict:
                 link_s = link_seconds(float(checked["busiest_link_bytes"][arm]), 1, bits, overhead)
             else:
                 link_s = link_seconds(float(link_bytes), int(config["node_size"]), bits, overhead)
-            predicted = predicted_step_s(arm, t0, link_s, int(config["grad_accum"]), overrides,
-                                         unshaped_entry.get("exposed_comm_s_per_step") or 0.0,
-                                         cross_node_share(unshaped_entry.get("timeline")))
+            inputs = (arm, t0, link_s, int(config["grad_accum"]), overrides,
+                      unshaped_entry.get("exposed_comm_s_per_step") or 0.0,
+                      cross_node_share(unshaped_entry.get("timeline")))
+            predicted, (low, high) = predicted_step_s(*inputs), step_bounds_s(*inputs)
             measured = entry["median_step_time_s"]
             rel = (measured - predicted) / predicted
             rows.append({"rate": rate, "arm": arm, "measured": measured, "predicted": predicted,
-                         "link_s": link_s, "unshaped_s": t0, "rel_diff": rel, "ok": abs(rel) <= TIME_RTOL})
+                         "low": low, "high": high, "link_s": link_s, "unshaped_s": t0, "rel_diff": rel,
+                         "ok": abs(rel) <= TIME_RTOL})
     return {"ok": bool(rows) and all(r["ok"] for r in rows), "rows": rows, "notes": notes}

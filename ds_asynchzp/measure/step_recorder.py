@@ -33,9 +33,9 @@ def link_device(rank: int, node_size: int, topology: str) -> str | None:
     return LINK_DEVICE if local == 0 else None
 
 
-def node_link_counter(device: str = LINK_DEVICE) -> str:
-    """The transmit counter of an emulated node's link (inside the node's network namespace)."""
-    return f"/sys/class/net/{device}/statistics/tx_bytes"
+def node_link_counter(device: str = LINK_DEVICE, unit: str = "bytes") -> str:
+    """A transmit counter (``bytes`` or ``packets``) of an emulated node's link, inside the node's namespace."""
+    return f"/sys/class/net/{device}/statistics/tx_{unit}"
 
 
 def _read_int(path: str) -> int:
@@ -141,6 +141,9 @@ def _per_step(totals: dict, steps: int) -> dict:
                           for name, v in totals["by_family"].items()},
             # Copies between device and host memory that AsyncHZP's offload notes (stock's are not noted).
             "host_device": {d: v / steps for d, v in totals["host_device"].items()},
+            # Messages this rank sent to each rank of another node (`platform.ledger`), by kind.
+            "crossing_messages": {style: {str(peer): count / steps for peer, count in by_peer.items()}
+                                  for style, by_peer in totals["crossing_messages"].items()},
             "by_flow": {name: {key: v[key] / steps for key in
                                ("intra_node", "inter_node", "intra_node_scales", "inter_node_scales")}
                         for name, v in totals["by_flow"].items()}}
@@ -170,6 +173,9 @@ class StepRecorder:
         device = link_device(rank, node_size, link_topology) if read_link_counter else None
         self.link_name = None if device is None else f"node{rank // node_size}/{device}"
         self.link_counter = None if device is None else node_link_counter(device)
+        # Frames sent, read with the bytes over the steady steps: each frame's headers are known, so the payload
+        # is the bytes less the frames' headers, exactly, whatever the messages' sizes (`bench.plan_check`).
+        self.packet_counter = None if device is None else node_link_counter(device, "packets")
         self._barrier = barrier if read_link_counter else None
         self._quiesce = getattr(engine.optimizer, "hzp_quiesce_params", None)
         self.steps: list = []
@@ -200,7 +206,7 @@ class StepRecorder:
         mark = ledger.mark()
         tx = _read_int(self.link_counter) if self.link_counter else None
         if self.index == self.steady_from:
-            self._steady = (mark, tx)
+            self._steady = (mark, tx, _read_int(self.packet_counter) if self.packet_counter else None)
         # CPU time of this rank's process (every thread of it): what the step cost the host, unlike wall time
         # barely moved by other load on a shared machine.
         self._open = (mark, tx, time.perf_counter(), time.process_time())
@@ -254,10 +260,12 @@ class StepRecorder:
 
             buffers, staging = optimizer.hzp_buffer_bytes(), staging_rings(optimizer)
         steady_steps = self.total_steps - self.steady_from
-        steady_mark, steady_tx = self._steady
+        steady_mark, steady_tx, steady_packets = self._steady
         steady = _per_step(ledger.summary(steady_mark), steady_steps)
         steady["node_tx_bytes"] = ((_read_int(self.link_counter) - steady_tx) / steady_steps
                                    if self.link_counter else None)
+        steady["node_tx_packets"] = ((_read_int(self.packet_counter) - steady_packets) / steady_steps
+                                     if self.packet_counter else None)
         layout, layout_text = layout_of(self.engine, ds_config, self.world, self.node_size)
         return {
             "rank": self.rank,

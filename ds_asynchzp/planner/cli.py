@@ -289,8 +289,15 @@ def format_check(report: dict, path: str) -> str:
                      for row in rows]
     lines += [f"note: {n}" for n in report["notes"]]
     if any(r["quantity"] == "inter_node_wire" for r in report["rows"]):
-        lines.append(f"inter_node_wire: measured link counters / {report['wire_overhead_factor']:.4f} "
-                     "(frame headers and acknowledgements at the run's MTU)")
+        if report.get("frames_counted"):
+            lines.append(f"inter_node_wire and links: counted bytes less {report['frame_header_bytes']} B of headers "
+                         "per counted frame (acknowledgements included)")
+        if report.get("control_counted"):
+            lines.append("inter_node_wire and links predicted: the model's payload plus gloo's control bytes per "
+                         "message the ledger counted between nodes (bench/plan_check.py GLOO_CONTROL_BYTES)")
+        else:
+            lines.append(f"inter_node_wire and links: measured link counters / {report['wire_overhead_factor']:.4f} "
+                         "(full frames and acknowledgements at the run's MTU; the run counted no frames)")
     tolerance = (f"within {plan_check.CHECK_RTOL:.0%} of the prediction (below "
                  f"{plan_check.ZERO_PREDICTION_SLACK_BYTES} B where 0 is predicted, {plan_check.IDLE_LINK_SLACK_BYTES} B "
                  "on a link predicted idle)")
@@ -300,14 +307,17 @@ def format_check(report: dict, path: str) -> str:
 
 def format_time_check(report: dict, path: str) -> str:
     lines = [f"check {path}: step time against the planner's time model (within {plan_check.TIME_RTOL:.0%})", ""]
-    rows = [["rate", "arm", "unshaped s", "link s", "predicted s", "measured s", "diff", ""]]
+    rows = [["rate", "arm", "unshaped s", "link s", "bounds s", "predicted s", "measured s", "diff", ""]]
     for r in report["rows"]:
-        rows.append([r["rate"], r["arm"], f"{r['unshaped_s']:.3f}", f"{r['link_s']:.3f}", f"{r['predicted']:.3f}",
+        rows.append([r["rate"], r["arm"], f"{r['unshaped_s']:.3f}", f"{r['link_s']:.3f}",
+                     f"{r['low']:.3f}-{r['high']:.3f}", f"{r['predicted']:.3f}",
                      f"{r['measured']:.3f}", f"{r['rel_diff']:+.1%}", "ok" if r["ok"] else "MISMATCH"])
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines += ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
               for row in rows]
     lines += [f"note: {n}" for n in report["notes"]]
+    lines.append("bounds: the transfer entirely under the host's work, and none of it; predicted: their midpoint "
+                 "on the training thread, the low bound on AsyncHZP's threads (planner/time_model.py)")
     lines.append("PASS: every step time within the tolerance" if report["ok"] else
                  "FAIL: not every step time within the tolerance")
     return "\n".join(lines)

@@ -4,26 +4,26 @@ against a benchmark's bandwidth sweep: `asynchzp-plan --check SWEEP/sweep.json`)
 Inputs: each arm's step time with unshaped links (compute, and communication at memory speed), the bytes its
 flows put on a node link per optimizer step (one link per node: the ledger's figure of the unshaped run, else
 `step_collectives.link_bytes`, per rank, times the ranks of a node; one link per rank, rails: the model's busiest
-link, `formulas.links`), times the frame overhead of the link, and the link's rate. An arm that communicates on the training thread (stock ZeRO-3
-and ZeRO++ on CPU ranks, whose overlap needs CUDA streams; AsyncHZP with ``async_comm: false``) waits for its
-communication, which takes the longer of what it took unshaped (``exposed(unshaped)``: on CPU ranks gloo's
-collectives are bound by the host, not by a fast link) and the link's time::
+link, `formulas.links`), times the frame overhead of the link, and the link's rate: ``link_s(rate)``.
 
-    step(rate) = step(unshaped) - exposed(unshaped) + max(exposed(unshaped), link_s(rate))
+An arm that communicates on the training thread (stock ZeRO-3 and ZeRO++ on CPU ranks, whose overlap needs CUDA
+streams; AsyncHZP with ``async_comm: false``) waits for its cross-node collectives. Unshaped, they took
+``exposed_x``: the training thread's waits while one of its own cross-node collectives was in flight
+(``exposed(unshaped) * cross_node_share``, read from the unshaped run's drawn step; the whole exposure where no
+timeline was recorded). On CPU ranks that time is gloo's host work (copies, reductions, the TCP stack), not the
+link. Shaped, the collective needs both the host work and the link's transfer, and how far they overlap depends
+on how gloo pipelines a ring step's chunk against the socket, which the run does not record. So two bounds::
 
-Only the cross-node part of ``exposed(unshaped)`` is replaced by the link's time: an arm that also waits on
-collectives inside a node (hpZ's secondary gathers, AsyncHZP's micro-step flows) keeps those waits. That part
-is the share of the training thread's waits spent while one of its own cross-node collectives was in flight,
-read from the unshaped run's drawn step (`cross_node_share`; the whole exposure where no timeline was
-recorded)::
+    low  = step(unshaped) - exposed_x + max(exposed_x, link_s)    # host work entirely under the transfer
+    high = step(unshaped) + link_s                                # none of it under the transfer
 
-    exposed_x = exposed(unshaped) * cross_node_share
-    step(rate) = step(unshaped) - exposed_x + max(exposed_x, link_s(rate))
+and the prediction is their midpoint (the unknown overlap taken as half). Waits inside a node (hpZ's secondary
+gathers, AsyncHZP's micro-step flows) stay as they were in both.
 
 AsyncHZP crosses nodes once per optimizer step, from its boundary thread: the gradient exchange runs under the
 last backward and the parameter refresh under the next forward, so about one micro-step of compute hides it::
 
-    step(rate) = step(unshaped) + max(0, link_s(rate) - step(unshaped) / A)
+    predicted = low = step(unshaped) + max(0, link_s - step(unshaped) / A),   high = step(unshaped) + link_s
 
 Both ignore latency (the emulated links add none unless asked) and TCP's ramp-up, which matter for small
 messages on slow links.
@@ -79,10 +79,21 @@ def cross_node_share(timeline: dict | None) -> float:
     return overlap / total
 
 
+def step_bounds_s(arm: str, unshaped_step_s: float, link_s: float, grad_accum: int,
+                  overrides: dict | None = None, unshaped_exposed_s: float = 0.0,
+                  crossing_share: float = 1.0) -> tuple[float, float]:
+    """(low, high): the step time with the transfer entirely under other work, and with none of it."""
+    high = unshaped_step_s + link_s
+    if runs_on_threads(arm, overrides):
+        return unshaped_step_s + max(0.0, link_s - unshaped_step_s / grad_accum), high
+    exposed = min(max(unshaped_exposed_s, 0.0), unshaped_step_s) * min(max(crossing_share, 0.0), 1.0)
+    return unshaped_step_s - exposed + max(exposed, link_s), high
+
+
 def predicted_step_s(arm: str, unshaped_step_s: float, link_s: float, grad_accum: int,
                      overrides: dict | None = None, unshaped_exposed_s: float = 0.0,
                      crossing_share: float = 1.0) -> float:
-    if runs_on_threads(arm, overrides):
-        return unshaped_step_s + max(0.0, link_s - unshaped_step_s / grad_accum)
-    exposed = min(max(unshaped_exposed_s, 0.0), unshaped_step_s) * min(max(crossing_share, 0.0), 1.0)
-    return unshaped_step_s - exposed + max(exposed, link_s)
+    """The low bound on AsyncHZP's threads; the midpoint of the bounds on the training thread."""
+    low, high = step_bounds_s(arm, unshaped_step_s, link_s, grad_accum, overrides, unshaped_exposed_s,
+                              crossing_share)
+    return low if runs_on_threads(arm, overrides) else (low + high) / 2

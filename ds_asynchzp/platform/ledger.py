@@ -17,6 +17,12 @@ its reduce-scatter costs a full all-reduce). A rank's ring successor on another 
 over the link per ring pass; a point-to-point send to another node puts S on the link. Summed over ranks,
 this predicts the byte counters of the node links, which an emulated cluster measures.
 
+Each record also counts the **messages** this rank sends to a rank on another node (`crossing_sends`: a ring
+pass sends its successor n-1 of them, an all-to-all one to each peer, a send one). The bytes above are
+payload; the library adds a few control bytes per message (gloo: a header, and notifications both ways), which
+for the many small calls of quantized collectives reach several percent of a link's bytes. Summed over ranks,
+these counts are what `bench.plan_check` needs to add them (`summary()["crossing_messages"]`).
+
 Object collectives (`broadcast_object_list`, `all_gather_object`) carry pickled Python objects of unknown
 size; they are recorded with zero bytes and their count.
 
@@ -104,6 +110,8 @@ class CommRecord:
     phase: str = ""                # training phase at issue (`set_phase`), for the flow (`flows.flow_of`)
     ended: float = 0.0             # ... at completion (0 while in flight)
     scale_share: float = 0.0       # the part of its bytes that is quantization scales (`carrying_scales`)
+    # Messages this rank sends to ranks on other nodes: ((peer, count, "ring" | "pairwise"), ...).
+    crossing_sends: tuple = ()
 
 
 def _nbytes(value) -> int:
@@ -270,6 +278,20 @@ class CommLedger:
             return 0.0
         return _RING_PASSES.get(kind, 0) * (n - 1) / n * total
 
+    def _crossing_sends(self, kind: str, ranks: tuple) -> tuple:
+        n = len(ranks)
+        me = self._backend.get_rank()
+        if n <= 1 or me not in ranks:
+            return ()
+        node = me // self.node_size
+        if kind == "all_to_all":
+            return tuple((r, 1, "pairwise") for r in ranks if r // self.node_size != node)
+        successor = ranks[(ranks.index(me) + 1) % n]
+        passes = _RING_PASSES.get(kind, 0)
+        if not passes or successor // self.node_size == node:
+            return ()
+        return ((successor, passes * (n - 1), "ring"),)
+
     def _record(self, method: str, kind: str, size_arg: Optional[str], arguments: dict) -> CommRecord:
         group = arguments.get("group")
         ranks = self._group_ranks(group)
@@ -281,14 +303,17 @@ class CommLedger:
             inter = peer is not None and peer // self.node_size != me // self.node_size
             wire = float(total) if kind == "send" else 0.0
             link = wire if inter else 0.0
+            sends = ((peer, 1, "pairwise"),) if inter and kind == "send" else ()
             ranks, n = (me, peer), 2
         else:
             inter = len({r // self.node_size for r in ranks}) > 1
             wire = _ring_wire_bytes(kind, total, n)
             link = self._link_bytes(kind, total, ranks)
+            sends = self._crossing_sends(kind, ranks)
         record = CommRecord(op=kind, method=method, buffer_bytes=total, wire_bytes=wire, group_size=n,
                             group_ranks=tuple(ranks), inter_node=inter, tag=self.current_tag(), link_bytes=link,
-                            phase=self.phase, scale_share=self._scale_share(kind, arguments.get(size_arg)))
+                            phase=self.phase, scale_share=self._scale_share(kind, arguments.get(size_arg)),
+                            crossing_sends=sends)
         with self._lock:
             self.records.append(record)
         return record
@@ -377,7 +402,8 @@ class CommLedger:
         time in collectives (`seconds`) of the records in [mark, until), leaving out those tagged with one of
         `skip_tags` (inspections a caller made in the middle of a measurement)."""
         out = {"intra_node": 0.0, "inter_node": 0.0, "calls": 0, "link_bytes": 0.0, "seconds": 0.0, "by_op": {},
-               "by_family": {}, "by_flow": {}, "host_device": {"to_host": 0, "to_device": 0}}
+               "by_family": {}, "by_flow": {}, "host_device": {"to_host": 0, "to_device": 0},
+               "crossing_messages": {"ring": {}, "pairwise": {}}}
         with self._lock:
             copies = list(self.host_copies)
         for position, direction, nbytes in copies:
@@ -391,6 +417,9 @@ class CommLedger:
             out["calls"] += 1
             out["link_bytes"] += record.link_bytes
             out["seconds"] += record.seconds
+            for peer, count, style in record.crossing_sends:
+                by_peer = out["crossing_messages"][style]
+                by_peer[peer] = by_peer.get(peer, 0) + count
             for key, name in (("by_op", record.op), ("by_family", self.family_of(record)),
                               ("by_flow", flows.flow_of(record.op, record.tag, record.phase))):
                 part = out[key].setdefault(name, {"intra_node": 0.0, "inter_node": 0.0, "calls": 0,
