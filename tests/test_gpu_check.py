@@ -203,3 +203,25 @@ def test_the_counted_ratio_is_set_against_the_formulas():
     assert not copy_count.copy_check(results(1.5), world, node, gas, model, seq)["passed"]
     assert copy_count.copy_check({"offload": [{"host_device_bytes_counted": None}]}, world, node, gas, model,
                                  seq) is None
+
+
+def test_a_job_timer_brackets_every_job_of_a_communication_thread():
+    """The GPU check times each communication job on its stream through the thread's job timers: the timer sees
+    the job start (thread name and stream) and end, in order, and stops seeing jobs once removed."""
+    from ds_asynchzp.scheduler import comm_thread
+
+    seen = []
+
+    def timer(name, stream):
+        seen.append(("start", name, stream))
+        return lambda: seen.append(("end", name))
+
+    thread = comm_thread.CommThread("probe", timeout=30)
+    comm_thread.add_job_timer(timer)
+    try:
+        assert thread.submit(lambda: seen.append(("job",)) or 7, "a job", "probe_group").wait() == 7
+    finally:
+        comm_thread.remove_job_timer(timer)
+    assert thread.submit(lambda: 8, "untimed job", "probe_group").wait() == 8
+    assert thread.stop()
+    assert seen == [("start", "probe", None), ("job",), ("end", "probe")]

@@ -5,7 +5,7 @@ next to the model-state bytes of the same rank. The GPU check shows the same kin
 
 from __future__ import annotations
 
-from .table import MB, _markdown
+from .table import MB, markdown_table
 
 # Kind (`runtime.buffer_bytes.KINDS`) -> its column title, in the order shown.
 KIND_LABELS = {
@@ -71,7 +71,7 @@ def format_buffer_table(arms: dict) -> list[str]:
                      "n/a" if states is None else f"{states / MB:.3f}",
                      f"{buffers['total'] / states:.3f}" if states else "n/a"])
     stock = [arm for arm in arms if arm not in recorded]
-    return ["## Package buffers per rank", "", *_markdown(rows), "",
+    return ["## Package buffers per rank", "", *markdown_table(rows), "",
             "Memory AsyncHZP's own buffers take on rank 0 beyond the model states, by kind, read from their owners at "
             "the end of the measured steps (`HierarchicalZeroOptimizer.hzp_buffer_bytes`); the largest rank's total "
             "beside it, and rank 0's model states (docs/ARCHITECTURE.md, \"Memory beyond model states\"). MB = 10^6 "

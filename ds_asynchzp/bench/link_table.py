@@ -3,7 +3,7 @@ link (one per node) or each rank's (rails), as the links' transmit counters saw 
 
 from __future__ import annotations
 
-from .table import MB, _markdown
+from .table import MB, markdown_table
 
 
 def topology_text(config: dict) -> str:
@@ -26,4 +26,4 @@ def format_link_table(arms: dict, config: dict) -> list[str]:
             f"Bytes that left each emulated link per optimizer step, counted by the link's transmit counter (MB = "
             f"10^6 bytes, frame headers and acknowledgements included; steady steps): {topology_text(config)}. "
             "`asynchzp-plan --check results.json` compares each with the model's bytes for that link.", "",
-            *_markdown([["arm", *names, "busiest"], *rows]), ""]
+            *markdown_table([["arm", *names, "busiest"], *rows]), ""]

@@ -24,7 +24,7 @@ from .records import read_results
 from .report_intro import is_job_run, job_provenance, job_workload, opening
 from .timeline_plot import plot_timelines
 from .table import (HOST_COLUMNS, LAYOUT_LEGEND, MB, REFERENCE_ARM, host_cells, host_legend, layout_cells,
-                    max_rel_loss_diff, memory_roles, role_bytes, shows_host_overhead)
+                    markdown_table, max_rel_loss_diff, memory_roles, role_bytes, shows_host_overhead)
 
 NA = "n/a"
 PLOTS = ("loss.png", "bytes.png", "step_time.png", "timeline.png")
@@ -121,21 +121,6 @@ def _comm_times(entry: dict) -> dict:
 def _ordered_ops(arms: dict) -> list[str]:
     ops = {op for entry in arms.values() for op in entry.get("bytes_per_step_by_op", {})}
     return [op for op in OP_ORDER if op in ops] + sorted(ops - set(OP_ORDER))
-
-
-# ---------------------------------------------------------------------------------------------- markdown
-def _md_table(header: list[str], rows: list[list[str]], text_columns: int = 1) -> list[str]:
-    """Padded Markdown table; the first `text_columns` columns left-aligned, the rest (numbers) right-aligned."""
-    header = [h.replace("|", r"\|") for h in header]
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-
-    def line(cells):
-        return "| " + " | ".join(c.ljust(w) if i < text_columns else c.rjust(w)
-                                 for i, (c, w) in enumerate(zip(cells, widths))) + " |"
-
-    rule = "|" + "|".join(":" + "-" * (w + 1) if i < text_columns else "-" * (w + 1) + ":"
-                          for i, w in enumerate(widths)) + "|"
-    return [line(header), rule, *(line(r) for r in rows)]
 
 
 def _provenance(env: dict, config: dict) -> list[str]:
@@ -238,8 +223,8 @@ def _layout(arms: dict) -> list[str]:
         if described:
             texts.append(f"- `{arm}`: " + "; ".join(described))
     return ["## Layout", "",
-            *_md_table(["arm", "d_p", "d_g", "d_o", "param replicas", "grad replicas", "optimizer replicas",
-                        "nodes x ranks"], rows), "", *texts, *([""] if texts else []),
+            *markdown_table([["arm", "d_p", "d_g", "d_o", "param replicas", "grad replicas", "optimizer replicas",
+                             "nodes x ranks"], *rows]), "", *texts, *([""] if texts else []),
             LAYOUT_LEGEND + " n/a: the run did not record a layout.", ""]
 
 
@@ -273,7 +258,7 @@ def _results_table(arms: dict, stats: dict, config: dict) -> list[str]:
                 ("model-state MB", lambda a, s: _mb(s["model_state"]))]
     rows = [[fn(arm, stats[arm]) for _, fn in columns] for arm in arms]
     kinds = sorted({s["sample_kind"] for s in stats.values()})
-    return ["## Results", "", *_md_table([c[0] for c in columns], rows), "",
+    return ["## Results", "", *markdown_table([[c[0] for c in columns], *rows]), "",
             f"Step time: slowest rank per step; min and median over {' / '.join(kinds)} (or the recorded "
             "`step_time_stats_s`). Tokens/s per rank: recorded, or tokens per step / ranks / step time (its min comes "
             "from the slowest sample). Speed-up: zero3 median step time / the arm's. Bytes: ring-model bytes sent per "
@@ -312,8 +297,8 @@ def _bytes_table(arms: dict) -> list[str]:
             else:
                 skipped.append(f"{arm}/{op}")
     calls = ", ".join(f"{arm} {_fmt(e.get('collective_calls_per_step'), '.1f')}" for arm, e in arms.items())
-    return ["## Bytes per collective kind", "", *_md_table(["arm", "collective", "intra MB/step", "inter MB/step"],
-                                                              rows, text_columns=2), "",
+    return ["## Bytes per collective kind", "",
+            *markdown_table([["arm", "collective", "intra MB/step", "inter MB/step"], *rows], text_columns=2), "",
             f"Collectives with no bytes in this run: {', '.join(skipped) or 'none'} (point-to-point bytes are counted "
             f"by the sender, so `recv` is always 0). Collective calls per optimizer step: {calls}.", ""]
 
@@ -351,8 +336,8 @@ def _parity(arms: dict) -> list[str]:
             same = f"{sum(a == b for a, b in pairs)}/{len(pairs)}"
         rows.append([arm, f"{losses[-1]:.9f}", rel, absolute, same])
     return ["## Loss parity", "",
-            *_md_table(["arm", "final loss", "max |rel diff| vs zero3", "max |abs diff| vs zero3",
-                        "steps bit-identical to zero3"], rows), "",
+            *markdown_table([["arm", "final loss", "max |rel diff| vs zero3", "max |abs diff| vs zero3",
+                             "steps bit-identical to zero3"], *rows]), "",
             "Losses are the mean over ranks of each optimizer step's loss, with the same weights, data and seed in "
             "every arm." + ("" if ref else " No zero3 arm was run, so there is no reference."), ""]
 
@@ -361,7 +346,7 @@ def _memory(arms: dict) -> list[str]:
     roles = memory_roles(arms)
     rows = [[arm] + [_mb(role_bytes(e, r)) for r in roles] + [_mb((e.get("model_state_bytes") or {}).get("total"))]
             for arm, e in arms.items()]
-    return ["## Model-state memory (rank 0, MB)", "", *_md_table(["arm", *roles, "total"], rows), "",
+    return ["## Model-state memory (rank 0, MB)", "", *markdown_table([["arm", *roles, "total"], *rows]), "",
             "Bytes of the tensors holding each role on rank 0, each storage counted once "
             "(`ds_asynchzp.measure.memory.model_state_bytes`); every role any arm has gets a column, 0 where an "
             "arm has none. param_primary / param_secondary / grad_primary: stock ZeRO-3 and hpZ partitions; "

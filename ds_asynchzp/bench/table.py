@@ -123,11 +123,13 @@ LAYOUT_LEGEND = (
     "the micro-steps gather from; its primary partition spans the world.")
 
 
-def _markdown(rows: list[list[str]], text_columns: int = 1) -> list[str]:
+def markdown_table(rows: list[list[str]], text_columns: int = 1) -> list[str]:
+    """Padded Markdown table of a header row and data rows; the first `text_columns` columns (names) left-aligned,
+    the rest (numbers) right-aligned."""
+    rows = [[c.replace("|", r"\|") for c in rows[0]], *rows[1:]]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
 
     def line(cells: list[str]) -> str:
-        # Left-align the text columns (arm name), right-align numbers.
         padded = [c.ljust(w) if i < text_columns else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))]
         return "| " + " | ".join(padded) + " |"
 
@@ -146,7 +148,7 @@ def format_layout_memory_table(results: dict) -> str:
         total = (entry.get("model_state_bytes") or {}).get("total")
         rows.append([arm, *layout_cells(entry), *(f"{role_bytes(entry, r) / MB:.3f}" for r in roles),
                      "n/a" if total is None else f"{total / MB:.3f}"])
-    return "\n".join(_markdown(rows, text_columns=3))
+    return "\n".join(markdown_table(rows, text_columns=3))
 
 
 FAMILIES = ("dense", "expert", "tokens")
@@ -172,7 +174,7 @@ def format_family_table(results: dict) -> str | None:
                              for w in ("intra_node", "inter_node")] + [text])
     legend = ("dense: every parameter but the routed experts; expert: the experts' gathers, reductions and "
               "refresh; tokens: AutoEP's token all-to-all over the expert-parallel group (issued by DeepSpeed).")
-    return "\n".join([*_markdown(rows), "", legend])
+    return "\n".join([*markdown_table(rows), "", legend])
 
 
 def format_table(results: dict) -> str:
@@ -205,7 +207,7 @@ def format_table(results: dict) -> str:
     if families is not None:
         notes += ["", "Bytes by family (AutoEP):", "", families]
     offload = format_offload_table(results)
-    return "\n".join([*_markdown(rows), "", legend, *([""] + notes if notes else []), "",
+    return "\n".join([*markdown_table(rows), "", legend, *([""] + notes if notes else []), "",
                       "Layout and model-state memory per role (rank 0):", "",
                       format_layout_memory_table(results), "", LAYOUT_LEGEND,
                       *(["", *offload[2:]] if offload else [])])

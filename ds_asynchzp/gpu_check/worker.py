@@ -33,30 +33,28 @@ class _JobTimer:
         self.pairs = []
 
     def install(self):
-        import torch
-
         from ..scheduler import comm_thread
 
-        timer, original = self, comm_thread.CommThread._run_one
-        self._original = original
-
-        def timed(runner, job, pending, after):
-            if runner.stream is None:
-                return original(runner, job, pending, after)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record(runner.stream)
-            try:
-                return original(runner, job, pending, after)
-            finally:
-                end.record(runner.stream)
-                timer.pairs.append((runner.name, start, end))
-        comm_thread.CommThread._run_one = timed
+        comm_thread.add_job_timer(self._time_job)
         return self
+
+    def _time_job(self, flow: str, stream):
+        if stream is None:
+            return None
+        import torch
+
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+
+        def ended():
+            end.record(stream)
+            self.pairs.append((flow, start, end))
+        return ended
 
     def uninstall(self):
         from ..scheduler import comm_thread
 
-        comm_thread.CommThread._run_one = self._original
+        comm_thread.remove_job_timer(self._time_job)
 
     def busy_ms(self, jobs: int) -> dict:
         """Device milliseconds per flow of the first `jobs` jobs."""

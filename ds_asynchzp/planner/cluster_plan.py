@@ -75,15 +75,6 @@ def resolve_plan_layout(num_params: int, world: int, node_size: int, sizes: dict
             "d_o": layout.sizes.optimizer_shard_size, "reason": layout.auto_reason, "error": None}
 
 
-def check_layout(world: int, node_size: int, d_p: int, d_g: int, d_o: int | None = None) -> None:
-    """Raise the engine's own AsyncHZPConfigError when explicit sizes are not a valid layout."""
-    section = {"node_size": node_size, "param_shard_size": d_p, "grad_shard_size": d_g}
-    if d_o is not None:
-        section["optimizer_shard_size"] = d_o
-    resolve_layout({"zero_optimization": {"stage": 3}, "async_hzp": section}, world, node_size,
-                   has_client_optimizer=True)
-
-
 def plan(num_params: int, world: int, node_size: int, grad_accum: int = 1, dtype: str = "bf16",
          intra_bw: float | None = None, inter_bw: float | None = None, device_memory: int | None = None,
          memory_budget: float | None = None, param_shard_size: int | str | None = "auto",

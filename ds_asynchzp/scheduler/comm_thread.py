@@ -36,6 +36,18 @@ OWN_ERRORS = (AsyncHZPNotActiveError, CommThreadError, CommTimeoutError, Gradien
 
 _STOP = object()
 
+# Tools that time every job on its stream (the GPU check) register a callable here: called with the thread's name
+# and stream as a job starts, it returns what to call when the job ends (or None). Empty while training.
+_job_timers: list = []
+
+
+def add_job_timer(timer: Callable) -> None:
+    _job_timers.append(timer)
+
+
+def remove_job_timer(timer: Callable) -> None:
+    _job_timers.remove(timer)
+
 
 class _Finished:
     """In place of a `threading.Event` for an inline job, which is done before anyone can ask (an Event costs more
@@ -171,6 +183,7 @@ class CommThread:
             pending.finish(error=self._failure)
             return
         started = time.perf_counter()
+        timed = [timer(self.name, self.stream) for timer in _job_timers] if _job_timers else ()
         try:
             value, done = _run_on_stream(job, after, self.stream)
             pending.finish(value=value, done_event=done)
@@ -179,6 +192,9 @@ class CommThread:
             pending.finish(error=error)
         finally:
             self.busy_s += time.perf_counter() - started
+            for end in timed:
+                if end is not None:
+                    end()
 
     def stop(self, timeout: float = 10.0) -> bool:
         """Let the queued jobs finish, then end the thread; True when it ended within `timeout`."""
