@@ -19,6 +19,7 @@ import torch
 
 import ds_asynchzp
 from ds_asynchzp.comm import delay_injection
+from ds_asynchzp.platform import ledger
 from tests._fuzz_workers import planted
 
 IN, HIDDEN = 8, 6
@@ -134,8 +135,12 @@ def _run_ops(engine, ops, rank: int, world: int, seen: dict) -> None:
             for param in engine.module.parameters():
                 param.ds_tensor.data.copy_(torch.full_like(param.ds_tensor, args[0]))
         elif kind == "forward_loss":
+            # What the forward's parameter gathers sent between nodes (the ledger's ring model, per rank).
+            mark = ledger.install().mark()
             with torch.no_grad():
                 seen.setdefault("forward", []).append(float(engine(_batch(rank, args[0]))))
+            gathers = ledger.summary(mark)["by_op"].get("all_gather", {})
+            seen.setdefault("forward_gathers_inter_node", []).append(gathers.get("inter_node", 0.0))
         else:
             raise ValueError(f"unknown op {kind}")
 

@@ -1,6 +1,8 @@
 """TRL's DPOTrainer with a reference model under DeepSpeed ZeRO-3, as a training script (tests/test_trl_dpo.py runs
 it on CPU ranks). Nothing is downloaded: a character-level tokenizer, a tiny random Llama and a preference data
-set are built here.
+set are built here. The Llama is saved once and both models are loaded with `from_pretrained` after the trainer's
+arguments exist, as TRL's users load them: under ZeRO-3, so `deepspeed.zero.Init` partitions them over the world
+as they are built.
 
     torchrun ... tests/_trl_dpo_job.py --out losses.json [--asynchzp]
 
@@ -89,13 +91,23 @@ def main() -> None:
             return result
 
     tokenizer = build_tokenizer()
+    saved = os.path.join(os.path.dirname(args.out), "tiny_llama")
+    if torch.distributed.get_rank() == 0:
+        build_model(tokenizer).save_pretrained(saved)
+    torch.distributed.barrier()
     output_dir = os.path.join(os.path.dirname(args.out), "dpo_out")
     config = DPOConfig(output_dir=output_dir, deepspeed=ds_config(args.asynchzp),
                        max_steps=args.steps, per_device_train_batch_size=2, gradient_accumulation_steps=2,
                        learning_rate=1e-3, lr_scheduler_type="constant", max_grad_norm=1.0, logging_steps=1,
                        save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True,
                        dataloader_pin_memory=False, bf16=False, fp16=False, seed=0, max_length=48, beta=0.1)
-    trainer = RecordingDPOTrainer(model=build_model(tokenizer), ref_model=build_model(tokenizer), args=config,
+    from transformers import LlamaForCausalLM
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    assert is_deepspeed_zero3_enabled(), "the DPO arguments did not make from_pretrained load under ZeRO-3"
+    policy, reference = (LlamaForCausalLM.from_pretrained(saved) for _ in range(2))
+    assert all(hasattr(p, "ds_id") for p in reference.parameters()), "zero.Init did not partition the reference"
+    trainer = RecordingDPOTrainer(model=policy, ref_model=reference, args=config,
                                   train_dataset=build_dataset(), processing_class=tokenizer)
     trainer.train()
     if torch.distributed.get_rank() == 0:
@@ -105,6 +117,9 @@ def main() -> None:
                        "optimizer": type(trainer.model_wrapped.optimizer).__name__,
                        "reference_optimizer": type(reference.optimizer).__name__,
                        "reference_hpz": reference.zero_hpz_partition_size(),
+                       # hpZ's copies inside the node, made when the reference engine was built.
+                       "reference_copies": all(getattr(p, "ds_secondary_tensor", None) is not None
+                                               for p in reference.module.parameters()),
                        "world": torch.distributed.get_world_size()}, f)
 
 

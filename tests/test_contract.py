@@ -257,9 +257,11 @@ def test_eval_forwards_equal_stock(launched):
 
 @pytest.mark.parametrize("name", ["engine_without_optimizer", "engine_without_optimizer_built_partitioned"])
 def test_an_engine_without_an_optimizer_forwards_as_stock_sharded_inside_the_node(launched, name):
-    """Sharded over d_p inside the node (hpZ) where DeepSpeed lets it be; a model that zero.Init partitioned when it
-    was built keeps stock's partitioning."""
+    """Sharded over d_p inside the node (hpZ) where DeepSpeed lets it be, also for a model that zero.Init
+    partitioned over the world when it was built (from_pretrained under ZeRO-3), which is given its copies when
+    the engine is built: no forward's parameter gathers cross nodes. Stock's cross in every forward."""
     d_p, world = launched["d_p"], launched["world"]
+    hierarchical = 1 < d_p < world
     for rank, stock, hzp in _arms(launched, name):
         assert stock["error"] is None and hzp["error"] is None, (stock["error"], hzp["error"])
         assert stock["optimizer"] == hzp["optimizer"] == "DeepSpeedZeRoOffload"
@@ -267,8 +269,38 @@ def test_an_engine_without_an_optimizer_forwards_as_stock_sharded_inside_the_nod
         # corrupted partition) gives shows in the loss, bit for bit. (Nothing steps here, so the parameters'
         # change is not a check.)
         assert len(stock["forward"]) == 2 and hzp["forward"] == stock["forward"], (stock["forward"], hzp["forward"])
-        hierarchical = 1 < d_p < world and name == "engine_without_optimizer"
         assert stock["hpz"] == 1 and hzp["hpz"] == (d_p if hierarchical else 1)
+        if not hierarchical:
+            continue
+        assert all(b > 0 for b in stock["forward_gathers_inter_node"]), stock["forward_gathers_inter_node"]
+        assert hzp["forward_gathers_inter_node"] == [0.0, 0.0], hzp["forward_gathers_inter_node"]
+
+
+def test_a_zero_init_model_keeps_stocks_partitioning_where_a_copy_would_move_or_miss_it(monkeypatch):
+    """Parameters zero.Init partitioned get hpZ's copy only where the conversion keeps their partitions as they are:
+    all of them over the world, none on NVMe, and each where the engine's offload_param puts partitions."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from ds_asynchzp.platform import deepspeed_internals as internals
+
+    world_group, node_group = object(), object()
+    monkeypatch.setattr(internals.ds_comm, "get_world_size", lambda group=None: 2 if group is node_group else 4)
+
+    def param(group=world_group, swapper=None):
+        return SimpleNamespace(ds_id=0, ds_process_group=group, nvme_swapper=swapper, ds_tensor=torch.zeros(1))
+
+    assert internals.hierarchical_copy_refusal([param(), param()], None) is None
+    assert internals.hierarchical_copy_refusal([param(), param()], "cpu") is None   # CPU ranks: host memory
+    assert "other than the world" in internals.hierarchical_copy_refusal([param(), param(node_group)], None)
+    assert "other than the world" in internals.hierarchical_copy_refusal([param(), torch.nn.Parameter()], None)
+    assert "NVMe" in internals.hierarchical_copy_refusal([param(swapper=object())], None)
+    assert "NVMe" in internals.hierarchical_copy_refusal([param()], "nvme")
+    monkeypatch.setattr("deepspeed.accelerator.get_accelerator",
+                        lambda: SimpleNamespace(device_name=lambda: "cuda"))
+    assert "would move them" in internals.hierarchical_copy_refusal([param()], None)   # host partitions, on GPUs
+    assert internals.hierarchical_copy_refusal([param()], "cpu") is None
 
 
 def test_offload_states_is_refused_by_name(launched):

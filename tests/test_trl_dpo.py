@@ -2,9 +2,10 @@
 (two torchrun processes on this machine, one per node): it trains, and its losses equal those of the same run
 without the "async_hzp" section.
 
-TRL builds the reference model's engine from a copy of the trainer's ds_config without its optimizer, so that
-engine is DeepSpeed's parameter-only one, its parameters sharded over d_p = 2 inside each node (hpZ); the policy
-gets the hierarchical optimizer. Every micro-step's loss is compared, unrounded, within 1e-6 relative: the
+Both models are loaded by `from_pretrained` under ZeRO-3, so zero.Init partitions them over the world as they are
+built. TRL builds the reference model's engine from a copy of the trainer's ds_config without its optimizer, so
+that engine is DeepSpeed's parameter-only one, its parameters given hpZ's copies over d_p = 2 inside each node
+when it is built; the policy gets the hierarchical optimizer. Every micro-step's loss is compared, unrounded, within 1e-6 relative: the
 gradients are summed inside the node then across nodes, not over the world at once.
 """
 
@@ -60,6 +61,9 @@ def test_dpo_with_a_reference_model_trains_as_without_the_section(tmp_path):
     assert hzp["optimizer"] == "HierarchicalZeroOptimizer"
     assert stock["reference_optimizer"] == hzp["reference_optimizer"] == "DeepSpeedZeRoOffload"
     assert stock["reference_hpz"] == 1 and hzp["reference_hpz"] == 2, "the reference's gathers stay in the node"
+    # Loaded by from_pretrained under ZeRO-3 (partitioned over the world by zero.Init), the reference got its
+    # copies over the node when its engine was built: no forward of it gathers across nodes.
+    assert not stock["reference_copies"] and hzp["reference_copies"]
     assert len(hzp["losses"]) == len(stock["losses"]) == 8
     for step, (ours, theirs) in enumerate(zip(hzp["losses"], stock["losses"])):
         assert abs(ours - theirs) <= REL * abs(theirs), (step, hzp["losses"], stock["losses"])

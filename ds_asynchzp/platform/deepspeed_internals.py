@@ -20,6 +20,7 @@ import deepspeed
 import deepspeed.comm as ds_comm
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero import stage3 as _stage3_module
+from deepspeed.runtime.zero.partition_parameters import Init as _ZeroInit
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.utils import groups as _ds_groups
@@ -93,6 +94,11 @@ def _self_check() -> None:
     for name in ("_create_zero_param_parallel_group", "_ZERO_PARAM_INTRA_PARALLEL_GROUP"):
         if not hasattr(_ds_groups, name):
             problems.append(f"deepspeed.utils.groups.{name} is gone (hpZ groups of engines without an optimizer)")
+    for member in ("_convert_to_deepspeed_param", "num_persisted_parameters", "num_persisted_elements",
+                   "override_module_apply"):
+        if not hasattr(_ZeroInit, member):
+            problems.append(f"deepspeed.zero.Init.{member} is gone (zero.Init-built reference models given "
+                            "hpZ's copy inside the node)")
     for member in ("NOT_AVAILABLE", "INFLIGHT", "AVAILABLE"):
         if not hasattr(ZeroParamStatus, member):
             problems.append(f"ZeroParamStatus.{member} is gone (parameter gather protocol)")
@@ -575,3 +581,50 @@ def hpz_groups_while_built(size: int) -> Iterator[None]:
         yield
     finally:
         _ds_groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = previous
+
+
+def hierarchical_copy_refusal(params: list, offload_device: str | None) -> str | None:
+    """Why parameters that zero.Init partitioned when the model was built cannot be given hpZ's copy
+    (`give_hierarchical_copies`) as they are (None: they can). `offload_device` is the engine's
+    ``offload_param.device`` ("cpu", "nvme" or None), where the conversion puts their partitions again."""
+    world = ds_comm.get_world_size()
+    if not all(hasattr(p, "ds_id") and ds_comm.get_world_size(group=p.ds_process_group) == world for p in params):
+        return ("deepspeed.zero.Init partitioned them over a group other than the world, or only some of them, "
+                "when the model was built; DeepSpeed keeps that partitioning")
+    if offload_device == "nvme" or any(getattr(p, "nvme_swapper", None) is not None for p in params):
+        return "their partitions are swapped to NVMe (offload_param), which keeps stock's partitioning"
+    from deepspeed.accelerator import get_accelerator
+
+    where = "cpu" if offload_device == "cpu" else get_accelerator().device_name()   # "cpu" on CPU ranks
+    moved = sorted({p.ds_tensor.device.type for p in params if p.ds_tensor is not None} - {where})
+    if moved:
+        return (f"zero.Init put their partitions on {', '.join(moved)} and the engine's offload_param puts them on "
+                f"{where}; converting them would move them, so they keep stock's partitioning")
+    return None
+
+
+def give_hierarchical_copies(params: list, ds_config: dict) -> None:
+    """Give parameters that zero.Init partitioned over the world hpZ's copy partitioned inside the node, as stock
+    gives the parameters of a model built without zero.Init under ``zero_hpz_partition_size`` (call inside
+    `hpz_groups_while_built`).
+
+    A converted parameter's gather and partition closures belong to the zero.Init context that built it, which
+    holds the hpZ group, and other models built in that context share it; so each parameter is converted again by
+    a zero.Init of its own (never entered: it only converts): gathered once over the world through its old
+    closures, converted, and partitioned, which writes both the primary partition (over the world, as before) and
+    the copy over the node's group from the full values. The engine's module fetches read the copy inside the node
+    (a direct ``param.all_gather()``, `GatheredParameters`, still reads the partitions over the world); the values
+    are the gathered ones, bit for bit. What the first conversion decided stays: which parameters persist, and the
+    zero.Init class state a conversion writes (the persistence budget, whether ``Module.apply`` is patched)."""
+    kept = (_ZeroInit.num_persisted_parameters, _ZeroInit.num_persisted_elements, _ZeroInit.override_module_apply)
+    converter = _ZeroInit(config_dict_or_path=ds_config,
+                          zero_param_parallel_group=_ds_groups._get_zero_param_intra_parallel_group())
+    try:
+        for param in params:
+            persist = param.ds_persist
+            param.all_gather()
+            converter._convert_to_deepspeed_param(param)
+            param.ds_persist = persist
+            param.partition()
+    finally:
+        _ZeroInit.num_persisted_parameters, _ZeroInit.num_persisted_elements, _ZeroInit.override_module_apply = kept

@@ -16,7 +16,9 @@ from ..formulas.sizing import padded_num_params
 from ..config import ResolvedLayout, load_ds_config, resolve_layout, section_from_ds_config
 from ..errors import AsyncHZPConfigError, AsyncHZPNotActiveError
 from ..config_compat import autoep_size
-from ..platform.deepspeed_internals import default_group_timeout_s, ds_comm, engine_class_swapped, hpz_groups_while_built, is_zero_param
+from ..platform.deepspeed_internals import (default_group_timeout_s, ds_comm, engine_class_swapped,
+                                           give_hierarchical_copies, hierarchical_copy_refusal,
+                                           hpz_groups_while_built, is_zero_param)
 from . import observers
 from .engine import engine_class_for
 from .optimizer import HierarchicalZeroOptimizer
@@ -76,8 +78,17 @@ def _initialize_without_optimizer(layout: ResolvedLayout, arguments: dict):
     parameters get AsyncHZP's parameter placement, sharded over d_p inside the node, through ZeRO++'s hierarchical
     partition (hpZ): stock code that keeps, after a parameter's first gather, a copy partitioned over d_p, from
     which every later gather reads inside the node (a frozen model's copy never goes stale). Forward values are
-    stock ZeRO-3's exactly: a gather only copies. Where hpZ cannot apply (AutoEP; parameters that zero.Init
-    partitioned already) the engine is stock's, and the log line says why."""
+    stock ZeRO-3's exactly: a gather only copies.
+
+    A model that zero.Init partitioned over the world when it was built (``from_pretrained`` under ZeRO-3: TRL's
+    reference models) gets the same copy before the engine is built (`give_hierarchical_copies`): each parameter is
+    gathered once over the world and partitioned again, keeping its partition over the world and adding the copy
+    over d_p, so no forward's module fetches cross nodes. Memory per rank b·Ψ(1/N + 1/d_p), as hpZ's: a partition
+    over d_p alone would need a gather path of the package's own for these engines, where hpZ's is stock's code and
+    gives stock's forwards. Where hpZ cannot apply, or would not give stock's forwards bit for bit (AutoEP, sequence
+    parallelism, ZeRO++'s quantized weights, all-reduce fetches; for a model zero.Init built: partitioned over
+    another group or only in part, partitions on NVMe or where the engine's offload_param would move them), the
+    engine is stock's, and the log line says why."""
     config = copy.deepcopy(load_ds_config(_ds_config_of(arguments)))
     model = arguments.get("model")
     why_stock = None
@@ -87,12 +98,25 @@ def _initialize_without_optimizer(layout: ResolvedLayout, arguments: dict):
         why_stock = "hpZ's secondary partition is not part of DeepSpeed's Ulysses sequence-parallel path"
     elif autoep_size(config) is not None:
         why_stock = "DeepSpeed 0.19.8's AutoEP refuses hpZ's secondary partition"
-    elif model is not None and any(is_zero_param(p) for p in model.parameters()):
-        why_stock = ("deepspeed.zero.Init partitioned them when the model was built (e.g. from_pretrained under "
-                     "ZeRO-3), and DeepSpeed keeps that partitioning")
+    zero = config.get("zero_optimization") or {}
+    if why_stock is None and (zero.get("zero_quantized_weights") or zero.get("zero_quantized_nontrainable_weights")):
+        why_stock = ("ZeRO++'s quantized weights would quantize the copy's blocks, not the world partitions' as stock "
+                     "does, and forwards would differ from stock's")
+    elif why_stock is None and zero.get("use_all_reduce_for_fetch_params"):
+        why_stock = ("use_all_reduce_for_fetch_params gathers by all-reduce, which turns -0.0 into +0.0, where the "
+                     "copy's gather keeps it: forwards would differ from stock's in the sign of zeros")
+    params = list(model.parameters()) if model is not None else []
+    built_partitioned = any(is_zero_param(p) for p in params)
+    if why_stock is None and built_partitioned:
+        why_stock = hierarchical_copy_refusal(params, (zero.get("offload_param") or {}).get("device"))
     hierarchical = why_stock is None
-    placement = (f"parameters sharded over d_p={layout.sizes.param_shard_size} inside the node (ZeRO++'s hierarchical "
-                 "partition, zero_hpz_partition_size): after its first gather a parameter is gathered inside the node"
+    d_p = layout.sizes.param_shard_size
+    placement = (f"parameters sharded over d_p={d_p} inside the node (ZeRO++'s hierarchical partition, "
+                 "zero_hpz_partition_size): " + (
+                     "zero.Init had partitioned them over the world when the model was built, so each was "
+                     "gathered once now and given its copy over d_p; no forward's module fetches cross nodes"
+                     if built_partitioned else
+                     "after its first gather a parameter is gathered inside the node")
                  if hierarchical else f"parameters partitioned over the world, as stock: {why_stock}")
     if hierarchical:
         config.setdefault("zero_optimization", {})["zero_hpz_partition_size"] = layout.sizes.param_shard_size
@@ -107,7 +131,9 @@ def _initialize_without_optimizer(layout: ResolvedLayout, arguments: dict):
         arguments["args"].deepspeed_config = None
     if layout.log_layout and _rank() == 0:
         print(f"[ds_asynchzp] {layout.describe()}; {placement}", flush=True)
-    with hpz_groups_while_built(layout.sizes.param_shard_size) if hierarchical else contextlib.nullcontext():
+    with hpz_groups_while_built(d_p) if hierarchical else contextlib.nullcontext():
+        if hierarchical and built_partitioned:
+            give_hierarchical_copies(params, config)
         return _ORIGINAL_INITIALIZE(**arguments, config=config)
 
 
