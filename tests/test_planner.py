@@ -590,7 +590,7 @@ def test_gloo_control_bytes_ride_on_the_links_their_messages_take(topology):
     """A message from rank 1 (node 0) to rank 2 (node 1, local index 0) leaves node 0 on rail 0 and its answers
     leave node 1 on rail 0; one from rank 0 to rank 3 (local index 1) uses rail 1 both ways (one link per node:
     eth0 for all)."""
-    config = {"node_size": 2, "network": {"topology": topology}}
+    config = {"nproc": 4, "node_size": 2, "network": {"topology": topology}}
     out_ring, back_ring = plan_check.GLOO_CONTROL_BYTES["ring"]
     out_pair, back_pair = plan_check.GLOO_CONTROL_BYTES["pairwise"]
     loads = plan_check.control_link_loads(config, {"ring": {"1>2": 3}, "pairwise": {"0>3": 2}})

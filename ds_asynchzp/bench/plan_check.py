@@ -235,15 +235,14 @@ def control_link_loads(config: dict, crossing: dict | None) -> dict:
     run's messages between nodes (``{"ring" | "pairwise": {"src>dst": count}}``), on the links their payload
     takes: out of the sender's node on the receiver's rail (rails) or its one link, and the answers back out of
     the receiver's node on that rail."""
-    node_size = int(config["node_size"])
-    rails = run_topology(config) == "rails"
+    topology = emulated_topology(config)
     loads: dict = {}
     for style, pairs in (crossing or {}).items():
         out_bytes, back_bytes = GLOO_CONTROL_BYTES[style]
         for key, count in pairs.items():
             src, dst = (int(r) for r in key.split(">"))
-            rail = dst % node_size if rails else 0
-            for node, per_message in ((src // node_size, out_bytes), (dst // node_size, back_bytes)):
+            rail = topology.nic_of(dst)
+            for node, per_message in ((topology.node_of(src), out_bytes), (topology.node_of(dst), back_bytes)):
                 name = f"node{node}/eth{rail}"
                 loads[name] = loads.get(name, 0.0) + count * per_message
     return loads
@@ -254,12 +253,17 @@ def run_topology(config: dict) -> str:
     return ((config.get("network") or {}).get("topology")) or "shared"
 
 
+def emulated_topology(config: dict) -> links.Topology:
+    """The links model of the emulated network a results.json ran on: gloo, one link per node or per rank."""
+    world, node_size = int(config.get("world_size") or config["nproc"]), int(config["node_size"])
+    return links.Topology(world, node_size, node_size if run_topology(config) == "rails" else 1, "gloo")
+
+
 def link_loads(config: dict, arm: str, t: traffic.TrafficInputs, d_p, d_g, d_o, quantization) -> dict:
     """``{"node<i>/eth<k>": bytes per optimizer step}`` leaving each emulated link, by `formulas.links` with gloo's
     rings on the run's topology (one link per node, or one per rank on rails)."""
-    rails = run_topology(config) == "rails"
-    topology = links.Topology(t.world, t.node_size, t.node_size if rails else 1, "gloo")
-    load = links.link_load(step_collectives.arm_collectives(arm, t, d_p, d_g, d_o, quantization), topology)
+    load = links.link_load(step_collectives.arm_collectives(arm, t, d_p, d_g, d_o, quantization),
+                           emulated_topology(config))
     return {f"node{node}/eth{k}": value for node, nics in enumerate(load.nic) for k, value in enumerate(nics)}
 
 

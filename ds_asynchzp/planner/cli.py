@@ -292,12 +292,12 @@ def format_check(report: dict, path: str) -> str:
         if report.get("frames_counted"):
             lines.append(f"inter_node_wire and links: counted bytes less {report['frame_header_bytes']} B of headers "
                          "per counted frame (acknowledgements included)")
-        if report.get("control_counted"):
-            lines.append("inter_node_wire and links predicted: the model's payload plus gloo's control bytes per "
-                         "message the ledger counted between nodes (bench/plan_check.py GLOO_CONTROL_BYTES)")
         else:
             lines.append(f"inter_node_wire and links: measured link counters / {report['wire_overhead_factor']:.4f} "
                          "(full frames and acknowledgements at the run's MTU; the run counted no frames)")
+        if report.get("control_counted"):
+            lines.append("inter_node_wire and links predicted: the model's payload plus gloo's control bytes per "
+                         "message the ledger counted between nodes (bench/plan_check.py GLOO_CONTROL_BYTES)")
     tolerance = (f"within {plan_check.CHECK_RTOL:.0%} of the prediction (below "
                  f"{plan_check.ZERO_PREDICTION_SLACK_BYTES} B where 0 is predicted, {plan_check.IDLE_LINK_SLACK_BYTES} B "
                  "on a link predicted idle)")

@@ -266,31 +266,22 @@ class CommLedger:
             self._ranks_cache[key] = ranks
         return ranks
 
-    def _link_bytes(self, kind: str, total: int, ranks: tuple) -> float:
+    def _crossing(self, kind: str, total: int, ranks: tuple) -> tuple:
+        """(link bytes, crossing sends) of this rank in one collective over `ranks`: what it puts on node links
+        under gloo's rings in group order, and its messages to ranks on other nodes (peer, count, kind)."""
         n = len(ranks)
         me = self._backend.get_rank()
         if n <= 1 or me not in ranks:
-            return 0.0
-        if kind == "all_to_all":
-            return sum(total / n for r in ranks if r // self.node_size != me // self.node_size)
-        successor = ranks[(ranks.index(me) + 1) % n]
-        if successor // self.node_size == me // self.node_size:
-            return 0.0
-        return _RING_PASSES.get(kind, 0) * (n - 1) / n * total
-
-    def _crossing_sends(self, kind: str, ranks: tuple) -> tuple:
-        n = len(ranks)
-        me = self._backend.get_rank()
-        if n <= 1 or me not in ranks:
-            return ()
+            return 0.0, ()
         node = me // self.node_size
         if kind == "all_to_all":
-            return tuple((r, 1, "pairwise") for r in ranks if r // self.node_size != node)
+            remote = [r for r in ranks if r // self.node_size != node]
+            return total / n * len(remote), tuple((r, 1, "pairwise") for r in remote)
         successor = ranks[(ranks.index(me) + 1) % n]
         passes = _RING_PASSES.get(kind, 0)
         if not passes or successor // self.node_size == node:
-            return ()
-        return ((successor, passes * (n - 1), "ring"),)
+            return 0.0, ()
+        return passes * (n - 1) / n * total, ((successor, passes * (n - 1), "ring"),)
 
     def _record(self, method: str, kind: str, size_arg: Optional[str], arguments: dict) -> CommRecord:
         group = arguments.get("group")
@@ -308,8 +299,7 @@ class CommLedger:
         else:
             inter = len({r // self.node_size for r in ranks}) > 1
             wire = _ring_wire_bytes(kind, total, n)
-            link = self._link_bytes(kind, total, ranks)
-            sends = self._crossing_sends(kind, ranks)
+            link, sends = self._crossing(kind, total, ranks)
         record = CommRecord(op=kind, method=method, buffer_bytes=total, wire_bytes=wire, group_size=n,
                             group_ranks=tuple(ranks), inter_node=inter, tag=self.current_tag(), link_bytes=link,
                             phase=self.phase, scale_share=self._scale_share(kind, arguments.get(size_arg)),
