@@ -119,6 +119,13 @@ class AsyncHZPConfig(BaseModel):
         "collective on links (from 1, one NIC shared by the node's ranks, to node_size). Default: node_size, one "
         "NIC per rank (rail-optimised GPU nodes).",
     )
+    reference_models: Annotated[int, Field(ge=0)] = Field(
+        0,
+        description="Models without an optimizer that the job builds beside the trained one, each counted as the "
+        "trained model's size, with one forward per micro-step (a DPO or KTO reference model: 1). \"auto\" and "
+        "asynchzp-plan add their memory per rank, b*params*(1/world + 1/d_p) (their partition over the world and "
+        "ZeRO++ hpZ's copy over d_p inside the node), and their forwards' gathers. Default 0.",
+    )
     log_layout: bool = Field(True, description="Rank 0 logs the resolved layout at startup.")
     async_comm: bool = Field(
         True,
@@ -207,6 +214,8 @@ _FIELD_RULES = {
     "intra_node_bandwidth_gbps": ("a positive finite number", "set the intra-node Gbit/s per rank, e.g. 800, or remove it."),
     "inter_node_bandwidth_gbps": ("a positive finite number", "set one NIC's Gbit/s, e.g. 200, or remove it."),
     "nics_per_node": ("a positive integer or null", "set the NICs per node, from 1 to node_size, or remove it."),
+    "reference_models": ("an integer >= 0", "set the number of models without an optimizer (1 for a DPO reference "
+                         "model), or remove it for 0."),
     "log_layout": ("true or false", "use a JSON boolean (true/false)."),
     "async_comm": ("true or false", "use a JSON boolean (true/false)."),
     "prefetch_depth": ("an integer >= 0", "set how many gathers may run ahead of compute, e.g. 2, or remove it."),
@@ -552,7 +561,7 @@ def resolve_layout(
             grad_accum_steps=_grad_accum_steps(ds_config, world // sequence_parallel_size),
             intra_bw_bytes_s=section.intra_node_bandwidth_gbps * 1e9 / 8,
             inter_bw_bytes_s=section.inter_node_bandwidth_gbps * 1e9 / 8, fixed=fixed,
-            nics_per_node=nics, **offload)
+            nics_per_node=nics, reference_models=section.reference_models, **offload)
         d_p, d_g, d_o = chosen
     else:
         d_p, d_g, d_o = (fixed[k] for k in sizing.SIZE_KEYS)
@@ -575,4 +584,5 @@ def resolve_layout(
                              quantization_block_size=section.quantization_block_size,
                              error_feedback=section.error_feedback),
         has_optimizer=bool(ds_config.get("optimizer")) or has_client_optimizer,
-        sequence_parallel_size=sequence_parallel_size, log_layout=section.log_layout, auto_reason=reason)
+        sequence_parallel_size=sequence_parallel_size, log_layout=section.log_layout, auto_reason=reason,
+        reference_models=section.reference_models)

@@ -111,6 +111,8 @@ class ResolvedLayout:
     sequence_parallel_size: int = 1
     log_layout: bool = True
     auto_reason: Optional[str] = None
+    # async_hzp.reference_models: models without an optimizer that "auto" counted (memory and forwards).
+    reference_models: int = 0
 
     def grid(self) -> HierarchicalLayout:
         return self.sizes.grid()
@@ -136,7 +138,7 @@ class ResolvedLayout:
         s, w = self.sizes, self.sizes.world_size
         if not self.has_optimizer:   # runtime/api.py adds where the parameters go
             return (f"async_hzp layout: world={w} ({s.num_nodes} node(s) x {s.node_size} ranks); no optimizer: "
-                    "DeepSpeed's parameter-only ZeRO-3 engine")
+                    "DeepSpeed's parameter-only ZeRO-3 engine" + self._references_text())
         text = (
             f"async_hzp layout: world={w} ({s.num_nodes} node(s) x {s.node_size} ranks); "
             f"params sharded over d_p={s.param_shard_size} ({_replicas(w // s.param_shard_size)}), "
@@ -155,7 +157,18 @@ class ResolvedLayout:
             where = ("inside a node" if s.node_size % sp == 0 else
                      f"across nodes ({sp} does not divide the node size {s.node_size})")
             text = f"{text}; Ulysses sequence parallelism sp={sp}: its all-to-alls run {where}"
+        text += self._references_text()
         return f"{text}; {self.auto_reason}" if self.auto_reason else text
+
+
+    def _references_text(self) -> str:
+        if not self.reference_models:
+            return ""
+        return (f"; {self.reference_models} reference model(s) counted (async_hzp.reference_models): each "
+                "partitioned over the world with hpZ's copy over d_p" if
+                1 < self.sizes.param_shard_size < self.sizes.world_size else
+                f"; {self.reference_models} reference model(s) counted (async_hzp.reference_models): each "
+                "partitioned over the world, as stock (d_p is 1 or the world)")
 
 
 def _replicas(n: int) -> str:

@@ -127,14 +127,16 @@ def test_the_worked_example_8b_on_two_nodes_of_eight():
     assert _load(step_collectives.asynchzp(t, 8, 8, 16), 16, 8, nics=1).busiest_nic == pytest.approx(16 * GB)
 
 
+@pytest.mark.parametrize("references", [0, 2])
 @pytest.mark.parametrize("arm,layout", [("zero3", None), ("hpz", None), ("asynchzp", (4, 4, 16)),
-                                        ("asynchzp", (2, 4, 8)), ("asynchzp", (4, 8, 8))])
-def test_collectives_carry_the_ring_formulas_bytes(arm, layout):
+                                        ("asynchzp", (2, 4, 8)), ("asynchzp", (4, 8, 8)), ("asynchzp", (1, 4, 16))])
+def test_collectives_carry_the_ring_formulas_bytes(arm, layout, references):
     """On NCCL's rings every byte a rank sends lands on exactly one link (a NIC or its fabric): the links of a step
-    sum to the world times the per-rank formulas of `formulas.traffic`. (The boundary exchange's groups hold one rank
-    per node, on one rail, so no PXN hop adds fabric bytes.)"""
+    sum to the world times the per-rank formulas of `formulas.traffic`, reference models' forwards included.
+    (The boundary exchange's groups hold one rank per node, on one rail, so no PXN hop adds fabric bytes.)"""
     world, node = 16, 4
-    t = arm_formulas.traffic_inputs(10**6, world, node, 3, "bf16", multiple=layout[2] if layout else None)
+    t = arm_formulas.traffic_inputs(10**6, world, node, 3, "bf16", multiple=layout[2] if layout else None,
+                                    reference_models=references)
     sent = (arm_formulas.arm_bytes(arm, t, *layout) if layout else arm_formulas.arm_bytes(arm, t, node, node))
     load = _load(step_collectives.arm_collectives(arm, t, *(layout or ())), world, node)
     assert sum(map(sum, load.nic)) + sum(load.fabric) == pytest.approx(world * (sent["intra_node"] + sent["inter_node"]))

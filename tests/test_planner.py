@@ -174,7 +174,7 @@ def test_optimizer_groups_not_aligned_with_nodes_split_by_rank_share():
 def test_no_point_to_point_flows_remain():
     assert set(traffic.asynchzp_bytes(SMALL, 2, 4, 8)["by_flow"]) == {
         "param_gather", "grad_reduce_scatter", "boundary_grad", "boundary_allreduce", "param_refresh",
-        "persistent_regather"}
+        "persistent_regather", "reference_gather"}
     assert not hasattr(traffic, "permutation_fractions")
 
 

@@ -36,6 +36,12 @@ host holds them besides the fp32 master and the moments:
   lives pinned on the host, next to ``(12 + 4)·Ψ_t/N``. ZeRO++ hpZ adds its secondary partition ``b·Ψ/G`` on
   the device.
 
+**Reference models** (``async_hzp.reference_models``: R models without an optimizer, each the trained model's
+size, e.g. DPO's reference) add ``reference_params`` on the device: ``R·b·Ψ(1/N + 1/d_p)`` under AsyncHZP, whose
+reference engines keep their partition over the world and get hpZ's copy over ``d_p`` (`runtime/api.py`; ``R·b·Ψ/N``
+where ``d_p`` is 1 or the world and the engine is stock's), ``R·b·Ψ/N`` under stock ZeRO-3 (plus ``R·b·Ψ/G`` with
+hpZ). Their forwards add the ``reference_gather`` flow of :mod:`ds_asynchzp.formulas.traffic` to the time.
+
 With offload the budget of ``"auto"`` bounds the *device* bytes; host bytes are reported, and the host↔device
 copies (the ``host_device`` flow of :mod:`ds_asynchzp.formulas.traffic`) join the estimated time at
 :data:`HOST_DEVICE_BW_BYTES_S`.
@@ -142,17 +148,33 @@ def _with_total(parts: dict[str, int]) -> dict[str, int]:
     return {**parts, "total": sum(parts.values())}
 
 
+def reference_bytes_per_rank(num_params: int, world: int, d_p: int, reference_models: int,
+                             param_bytes: int = 2) -> int:
+    """Device bytes per rank of ``reference_models`` models of ``num_params`` elements without an optimizer:
+    ``R·b·Ψ(1/N + 1/d_r)`` with their copy over ``d_r = d_p`` (1 < d_p < N), else ``R·b·Ψ/N`` (stock's engine)."""
+    if reference_models < 0:
+        raise ValueError(f"reference_models must be >= 0, got {reference_models}")
+    per_model = _ceil_div(param_bytes * int(num_params), world)
+    if traffic.reference_group_size(world, d_p) < world:
+        per_model += _ceil_div(param_bytes * int(num_params), d_p)
+    return reference_models * per_model
+
+
 def placement_bytes_per_rank(num_params: int, world: int, d_p: int, d_g: int, d_o: int, *, offload_optimizer: bool,
-                             **sizes) -> dict[str, dict[str, int]]:
+                             reference_models: int = 0, **sizes) -> dict[str, dict[str, int]]:
     """Where an AsyncHZP rank's model states live: ``{"device": parts, "host": parts}``, each with a ``total``.
 
     Without offload everything is on the device (:func:`model_state_bytes_per_rank`; the host part is empty).
     With ``offload_optimizer`` the device keeps ``param_shard`` and ``grad_shard`` (the gradient reductions run
     there) and the host holds ``master``, ``optimizer_state`` and ``fp32_grad`` (``4·Ψ_t/d_o``: the ``.grad``
     of DeepSpeed's fp32 flat partitions, the own atom's gradients that the host optimizer reads). ``sizes``: the
-    element sizes and ``num_trainable`` of :func:`model_state_bytes_per_rank`."""
+    element sizes and ``num_trainable`` of :func:`model_state_bytes_per_rank`. ``reference_models`` adds
+    ``reference_params`` on the device (:func:`reference_bytes_per_rank`)."""
     parts = model_state_bytes_per_rank(num_params, world, d_p, d_g, d_o, **sizes)
     del parts["total"]
+    if reference_models:
+        parts["reference_params"] = reference_bytes_per_rank(num_params, world, d_p, reference_models,
+                                                              sizes.get("param_bytes", 2))
     if not offload_optimizer:
         return {"device": _with_total(parts), "host": _with_total({})}
     trainable = num_params if sizes.get("num_trainable") is None else sizes["num_trainable"]
@@ -162,7 +184,8 @@ def placement_bytes_per_rank(num_params: int, world: int, d_p: int, d_g: int, d_
 
 
 def stock_placement_bytes_per_rank(num_params: int, world: int, *, offload_optimizer: bool,
-                                   secondary_size: int | None = None, **sizes) -> dict[str, dict[str, int]]:
+                                   secondary_size: int | None = None, reference_models: int = 0,
+                                   **sizes) -> dict[str, dict[str, int]]:
     """Where a rank of stock ZeRO-3 keeps its model states, ``{"device": parts, "host": parts}``.
 
     Stock ZeRO-3 is the layout ``d_p = d_g = d_o = world``; ``secondary_size`` (ZeRO++ hpZ's
@@ -172,7 +195,7 @@ def stock_placement_bytes_per_rank(num_params: int, world: int, *, offload_optim
     (``grad_shard``), beside ``master``, ``optimizer_state`` and ``fp32_grad``. ``sizes`` as for
     :func:`placement_bytes_per_rank`."""
     placed = placement_bytes_per_rank(num_params, world, world, world, world, offload_optimizer=offload_optimizer,
-                                      **sizes)
+                                      reference_models=reference_models, **sizes)
     device = {k: v for k, v in placed["device"].items() if k != "total"}
     host = {k: v for k, v in placed["host"].items() if k != "total"}
     if offload_optimizer:
@@ -180,7 +203,8 @@ def stock_placement_bytes_per_rank(num_params: int, world: int, *, offload_optim
     if secondary_size is not None:
         if secondary_size < 1:
             raise ValueError(f"secondary_size must be >= 1, got {secondary_size}")
-        device["param_secondary"] = _ceil_div(sizes.get("param_bytes", 2) * int(num_params), secondary_size)
+        device["param_secondary"] = (1 + reference_models) * _ceil_div(sizes.get("param_bytes", 2) * int(num_params),
+                                                                       secondary_size)
     return {"device": _with_total(device), "host": _with_total(host)}
 
 
@@ -241,7 +265,7 @@ def comm_seconds_per_step(num_params: int, world: int, node_size: int, d_p: int,
                           param_bytes: int, grad_comm_bytes: int, grad_accum_steps: int,
                           intra_bw_bytes_s: float, inter_bw_bytes_s: float, offload_optimizer: bool = False,
                           host_device_bw_bytes_s: float = HOST_DEVICE_BW_BYTES_S,
-                          nics_per_node: int | None = None) -> tuple[float, dict]:
+                          nics_per_node: int | None = None, reference_models: int = 0) -> tuple[float, dict]:
     """Estimated communication seconds per optimizer step of one layout, and the bytes behind it: every element
     gathered, reduced and trained (P_g = P_r = P_t = Ψ), on NCCL's rings over nodes of ``node_size`` ranks with
     ``nics_per_node`` NICs each (default one per rank), from `formulas.links`: each collective takes the time of
@@ -250,10 +274,12 @@ def comm_seconds_per_step(num_params: int, world: int, node_size: int, d_p: int,
     "nic_s", "fabric_s"}``: the step's bytes on the busiest NIC and the busiest rank's fabric, and their seconds.
 
     With ``offload_optimizer`` the bytes add ``host_device`` (:func:`traffic.asynchzp_host_device_bytes`, both
-    directions) and the seconds its copy time at ``host_device_bw_bytes_s``; the network flows are the same."""
+    directions) and the seconds its copy time at ``host_device_bw_bytes_s``; the network flows are the same.
+    ``reference_models`` adds their forwards' gathers (``reference_gather``)."""
     t = traffic.TrafficInputs(world=world, node_size=node_size, grad_accum=grad_accum_steps,
                               gathered_elements=num_params, reduced_elements=num_params,
-                              trainable_elements=num_params, param_bytes=param_bytes, grad_comm_bytes=grad_comm_bytes)
+                              trainable_elements=num_params, param_bytes=param_bytes, grad_comm_bytes=grad_comm_bytes,
+                              reference_models=reference_models)
     collectives = step_collectives.asynchzp(t, d_p, d_g, d_o)
     topology = links.Topology(world, node_size, nics_per_node)
     load, times = links.load_and_seconds(collectives, topology, inter_bw_bytes_s, intra_bw_bytes_s)
@@ -293,7 +319,7 @@ def _name(layout: tuple[int, int, int]) -> str:
 
 def smallest_memory_layout(num_params: int, world: int, node_size: int, *, param_bytes: int = 2,
                            grad_accum_bytes: int = 2, fixed: dict | None = None,
-                           offload_optimizer: bool = False) -> tuple[int, int, int, int]:
+                           offload_optimizer: bool = False, reference_models: int = 0) -> tuple[int, int, int, int]:
     """``(d_p, d_g, d_o, bytes)`` of the valid layout agreeing with ``fixed`` whose device bytes
     (:func:`placement_bytes_per_rank`; all model states without offload) are smallest (ties: the smaller host
     bytes, then the smaller sizes); what "auto" would need at least. ValueError if ``fixed`` allows none."""
@@ -302,7 +328,8 @@ def smallest_memory_layout(num_params: int, world: int, node_size: int, *, param
     for lay in valid_layouts(world, node_size):
         if all(fixed.get(k, v) == v for k, v in zip(SIZE_KEYS, lay)):
             placed = placement_bytes_per_rank(num_params, world, *lay, offload_optimizer=offload_optimizer,
-                                              param_bytes=param_bytes, grad_accum_bytes=grad_accum_bytes)
+                                              param_bytes=param_bytes, grad_accum_bytes=grad_accum_bytes,
+                                              reference_models=reference_models)
             key = (placed["device"]["total"], placed["host"]["total"], lay)
             if best is None or key < best:
                 best = key
@@ -326,6 +353,7 @@ def choose_layout(
     fixed: dict | None = None,
     offload_optimizer: bool = False,
     nics_per_node: int | None = None,
+    reference_models: int = 0,
 ) -> tuple[int, int, int, str]:
     """The ``"auto"`` rule: returns ``(d_p, d_g, d_o, reason)``.
 
@@ -343,6 +371,10 @@ def choose_layout(
     that need ``d_g`` across nodes otherwise; the seconds add the host↔device copies at
     :data:`HOST_DEVICE_BW_BYTES_S` (they shrink as ``d_o`` grows), and ties go to the smaller device bytes,
     then the smaller host bytes. The reason then says that offload was counted, and gives the host bytes.
+
+    ``reference_models`` (``async_hzp.reference_models``) counts that many models of ``num_params`` elements
+    without an optimizer: their device bytes (:func:`reference_bytes_per_rank`) join the budget, their forwards'
+    gathers the seconds; the reason then names them.
 
     If no candidate fits, raises AsyncHZPConfigError naming ``async_hzp.memory_budget_gb`` with the bytes the
     smallest-memory candidate needs: silently picking a layout that will run out of memory only moves the
@@ -378,16 +410,19 @@ def choose_layout(
 
     def placed(lay: tuple[int, int, int]) -> dict:
         return placement_bytes_per_rank(num_params, world, *lay, offload_optimizer=offload_optimizer,
-                                        param_bytes=param_bytes, grad_accum_bytes=grad_accum_bytes)
+                                        param_bytes=param_bytes, grad_accum_bytes=grad_accum_bytes,
+                                        reference_models=reference_models)
 
     # (layout, device bytes, host bytes); without offload the host holds no model state and the device all.
     fitting = [(lay, p["device"]["total"], p["host"]["total"]) for lay, p in ((lay, placed(lay)) for lay in candidates)]
     fitting = [entry for entry in fitting if entry[1] <= budget_bytes]
     what = "device bytes of model states (optimizer offloaded to the host)" if offload_optimizer else "model states"
+    if reference_models:
+        what += f" with {reference_models} reference model(s) (async_hzp.reference_models)"
     if not fitting:
         *lay, needed = smallest_memory_layout(num_params, world, node_size, param_bytes=param_bytes,
                                               grad_accum_bytes=grad_accum_bytes, fixed=fixed,
-                                              offload_optimizer=offload_optimizer)
+                                              offload_optimizer=offload_optimizer, reference_models=reference_models)
         lay = tuple(lay)
         needed_gb = math.ceil(needed / BYTES_PER_GB * 100) / 100  # rounded up, so the suggestion really fits
         raise AsyncHZPConfigError(
@@ -403,7 +438,8 @@ def choose_layout(
         return comm_seconds_per_step(num_params, world, node_size, *lay, param_bytes=param_bytes,
                                      grad_comm_bytes=grad_comm_bytes, grad_accum_steps=grad_accum_steps,
                                      intra_bw_bytes_s=intra_bw_bytes_s, inter_bw_bytes_s=inter_bw_bytes_s,
-                                     offload_optimizer=offload_optimizer, nics_per_node=nics_per_node)
+                                     offload_optimizer=offload_optimizer, nics_per_node=nics_per_node,
+                                     reference_models=reference_models)
 
     estimates = {lay: estimate(lay) for lay, _, _ in fitting}   # each layout's links placed once
 
@@ -444,6 +480,10 @@ def choose_layout(
         reason += f", the same as the runner-up {_name(second)}, which needs {runner_up_memory} per rank."
     else:
         reason += f" vs {second_text} s for the runner-up {_name(second)}{runner_up_copies}."
+    if reference_models:
+        reason += (f" Counted with {reference_models} reference model(s) of the same size (async_hzp.reference_models"
+                   f"): {_gib(placed(best)['device'].get('reference_params', 0))} per rank of the memory above, and "
+                   "their forwards' gathers in the time.")
     if offload_optimizer and best[2] < world:
         reason += (f" With d_o={best[2]} < {world} ranks, each of the {world // best[2]} optimizer replicas keeps "
                    f"and steps its own host copy, and copies its own: host<->device bytes are (N/d_o)*(4 + b)/"

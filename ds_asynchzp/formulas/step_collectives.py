@@ -10,6 +10,9 @@ summing (k-1)/k * S per member over these records gives those formulas' bytes (a
     zeropp   hpz with INT8 weights; qgZ per micro-step: an INT4 all-to-all of Q inside each node, then an INT4
              all-to-all of the node-reduced Q/G among the ranks of the same local index (one per node); the
              reduced elements qgZ cannot split reduce-scattered over the world in b_c
+    reference each reference model's forward (R of them): an all-gather of b*P_g, A times, over the world for
+             zero3, inside each node for hpz and zeropp (hpZ's secondary, in the arm's weight bytes), over d_r
+             for asynchzp (`traffic.reference_group_size`)
     asynchzp one record per flow of `traffic.FLOWS` over the layout's groups; a quantized flow moves its wire
              format's bytes, a quantized reduction as an all-to-all, a quantized all-reduce as an all-to-all plus
              an all-gather (both of the quantized slice)
@@ -49,11 +52,19 @@ def _flow_groups(flow: str, n: int, d_p: int, d_g: int, d_o: int) -> tuple:
     return tuple(tuple(grp) for grp in traffic.flow_groups(flow, n, d_p, d_g, d_o))
 
 
+def _reference(t: traffic.TrafficInputs, groups: tuple, weight_bytes: float) -> list:
+    """The reference models' forward gathers (none without reference models)."""
+    if not t.reference_models:
+        return []
+    return [Collective("all_gather", groups, weight_bytes * t.gathered_elements, t.grad_accum * t.reference_models,
+                       "reference_gather")]
+
+
 def zero3(t: traffic.TrafficInputs) -> list:
     world = _world(t.world)
     return [Collective("all_gather", world, t.param_bytes * t.gathered_elements, 2 * t.grad_accum, "param_gather"),
             Collective("reduce_scatter", world, t.grad_comm_bytes * t.reduced_elements, t.grad_accum,
-                       "grad_reduce_scatter")]
+                       "grad_reduce_scatter")] + _reference(t, world, t.param_bytes)
 
 
 def hpz(t: traffic.TrafficInputs, weight_bytes: float | None = None) -> list:
@@ -63,11 +74,11 @@ def hpz(t: traffic.TrafficInputs, weight_bytes: float | None = None) -> list:
     return [Collective("all_gather", world, b * t.trainable_elements, 1, "param_gather"),
             Collective("all_gather", nodes, secondary, 1, "secondary_gather"),
             Collective("reduce_scatter", world, t.grad_comm_bytes * t.reduced_elements, t.grad_accum,
-                       "grad_reduce_scatter")]
+                       "grad_reduce_scatter")] + _reference(t, nodes, b)
 
 
 def zeropp(t: traffic.TrafficInputs) -> list:
-    out = hpz(t, weight_bytes=ZEROPP_INT8_BYTES)[:2]
+    out = hpz(t, weight_bytes=ZEROPP_INT8_BYTES)[:2] + _reference(t, _nodes(t.world, t.node_size), ZEROPP_INT8_BYTES)
     n, g, a = t.world, t.node_size, t.grad_accum
     q = t.reduced_elements if t.qgz_elements is None else t.qgz_elements
     out.append(Collective("all_to_all", _nodes(n, g), ZEROPP_INT4_BYTES * q, a, "qgz_intra"))
@@ -111,7 +122,7 @@ def asynchzp(t: traffic.TrafficInputs, d_p: int, d_g: int, d_o: int | None = Non
     out.append(Collective("all_gather", groups("param_refresh"), refresh_b * p_t / d_p, 1, "param_refresh"))
     out.append(Collective("all_gather", groups("persistent_regather"), b * t.persistent_elements, 1,
                           "persistent_regather"))
-    return out
+    return out + _reference(t, groups("reference_gather"), b)
 
 
 def arm_collectives(arm: str, t: traffic.TrafficInputs, d_p: int | None = None, d_g: int | None = None,

@@ -12,14 +12,17 @@ when its group spans more than one node (rank r lives on node r // G). Symbols (
          runs, so a weight shared by two modules counts twice)
     P_r  padded elements reduced per micro-step (parameters that receive a gradient)
     P_t  padded trainable elements (the optimizer's partitions; includes parameters without a gradient)
+    R    reference models: engines without an optimizer, each the trained model's size (P_g per forward), that
+         run one forward per micro-step (a DPO reference model); `async_hzp.reference_models`
     Padding is per parameter, to a multiple of N for ZeRO-3 and hpZ, of d_o for AsyncHZP (its partition group).
 
-ZeRO-3 with persistence thresholds 0 gathers each parameter once in forward and once in backward:
-    inter = A * (2 * b * P_g + b_c * P_r) * (N-1)/N                                    intra = 0
+ZeRO-3 with persistence thresholds 0 gathers each parameter once in forward and once in backward, and each
+reference model's once per micro-step:
+    inter = A * ((2 + R) * b * P_g + b_c * P_r) * (N-1)/N                              intra = 0
 ZeRO++ hpZ (secondary group G): the step drops the secondary shards of trainable parameters, so the first
 gather of each after a step goes over the world; every other gather (a tied weight's second use, frozen
-parameters, backward) uses the intra-node secondary:
-    inter = (b * P_t + A * b_c * P_r) * (N-1)/N        intra = (2A * P_g - P_t) * b * (G-1)/G
+parameters, backward, a reference model's, whose copy never goes stale) uses the intra-node secondary:
+    inter = (b * P_t + A * b_c * P_r) * (N-1)/N        intra = ((2 + R) * A * P_g - P_t) * b * (G-1)/G
 AsyncHZP, one figure per flow (`asynchzp_flows`); no point-to-point permutation exists:
     param_gather          A * 2 * b * P_g * (d_p-1)/d_p          d_p consecutive ranks, every micro-step
     grad_reduce_scatter   A * b_c * P_r * (d_g-1)/d_g            d_g consecutive ranks, every micro-step
@@ -27,6 +30,10 @@ AsyncHZP, one figure per flow (`asynchzp_flows`); no point-to-point permutation 
     boundary_allreduce    2 * b_c * P_t/d_o * (R_o-1)/R_o        {h*d_o + q : h}, once per step (0 if d_o = N)
     param_refresh         b * P_t/d_p * (T_p-1)/T_p              {h*d_o + t*d_p + j : t}, once per step
     persistent_regather   b * P_persist * (d_p-1)/d_p            d_p consecutive ranks, once per step
+    reference_gather      A * R * b * P_g * (d_r-1)/d_r          d_r consecutive ranks, every micro-step
+A reference model's engine keeps its world partition and gets hpZ's copy over d_r = d_p inside the node
+(`runtime/api.py`), where 1 < d_p < N; otherwise it is stock's and d_r = N. Its gathers are counted from the
+second optimizer step on: the first forward of a model that zero.Init did not build still reads the world.
 Quantized flows (`ds_asynchzp.quantization.QuantizationPlan`) use the same formulas with the element bytes of
 their wire format, q = bits/8 + 4/block (values plus one fp32 scale per block) instead of b or b_c: a quantized
 gradient reduction is a pairwise exchange of quantized rows ((n-1)/n * S, like a reduce-scatter), a quantized
@@ -83,11 +90,12 @@ class TrafficInputs:
     grad_comm_bytes: float = 4   # b_c
     persistent_elements: int = 0  # P_persist: parameters kept gathered (ZeRO-3 persistence threshold), re-gathered once per step
     qgz_elements: int | None = None  # part of P_r stock ZeRO++'s qgZ all-to-all takes (2-D, a multiple of 2N); None: all
+    reference_models: int = 0    # R: forward-only models of P_g elements each, one forward per micro-step
 
 
 #: The AsyncHZP flows, in the order of a step.
 FLOWS = ("param_gather", "grad_reduce_scatter", "boundary_grad", "boundary_allreduce", "param_refresh",
-         "persistent_regather")
+         "persistent_regather", "reference_gather")
 #: The host<->device flow of optimizer offload (module docstring); not a network flow, so not in `FLOWS`.
 HOST_DEVICE = "host_device"
 #: Bytes per element of the fp32 gradient copied to the host optimizer under offload.
@@ -112,15 +120,22 @@ def _ring(n: int) -> float:
     return (n - 1) / n
 
 
+def reference_group_size(world: int, param_shard_size: int) -> int:
+    """d_r: the ranks a reference model's forward gathers over under AsyncHZP: d_p where its engine gets hpZ's
+    copy over d_p (1 < d_p < world, `runtime/api.py`), else the world (stock's engine)."""
+    return param_shard_size if 1 < param_shard_size < world else world
+
+
 def zero3_bytes(t: TrafficInputs) -> dict:
-    per_micro = 2 * t.param_bytes * t.gathered_elements + t.grad_comm_bytes * t.reduced_elements
+    per_micro = (2 + t.reference_models) * t.param_bytes * t.gathered_elements + t.grad_comm_bytes * t.reduced_elements
     inter = t.grad_accum * per_micro * _ring(t.world)
     return _split(t, intra=0.0, inter=inter)
 
 
 def hpz_bytes(t: TrafficInputs) -> dict:
     inter = (t.param_bytes * t.trainable_elements + t.grad_accum * t.grad_comm_bytes * t.reduced_elements) * _ring(t.world)
-    intra = (2 * t.grad_accum * t.gathered_elements - t.trainable_elements) * t.param_bytes * _ring(t.node_size)
+    gathers = (2 + t.reference_models) * t.grad_accum * t.gathered_elements - t.trainable_elements
+    intra = gathers * t.param_bytes * _ring(t.node_size)
     return _split(t, intra=intra, inter=inter)
 
 
@@ -142,6 +157,8 @@ def flow_groups(flow: str, n: int, d_p: int, d_g: int, d_o: int) -> list[list[in
         "param_gather": layout.param_shard_groups, "persistent_regather": layout.param_shard_groups,
         "grad_reduce_scatter": layout.grad_shard_groups, "boundary_allreduce": layout.outer_replica_groups,
         "boundary_grad": layout.grad_boundary_groups, "param_refresh": layout.param_refresh_groups,
+        # d_r consecutive ranks: the parameter shard groups of a layout whose d_p is d_r.
+        "reference_gather": lambda: HierarchicalLayout(n, 1, *(reference_group_size(n, d_p),) * 2, n).param_shard_groups(),
     }
     if flow not in groups:
         raise ValueError(f"unknown flow {flow!r}; known: {', '.join(FLOWS)}")
@@ -182,6 +199,7 @@ def asynchzp_flows(t: TrafficInputs, param_shard_size: int, grad_shard_size: int
         "boundary_allreduce": 2 * element_bytes("boundary_allreduce", b_c) * p_t / d_o * _ring(r_o),
         "param_refresh": element_bytes("param_refresh", b) * p_t / d_p * _ring(t_p),
         "persistent_regather": b * t.persistent_elements * _ring(d_p),
+        "reference_gather": a * t.reference_models * b * t.gathered_elements * _ring(reference_group_size(n, d_p)),
     }
     out = {}
     for name in FLOWS:

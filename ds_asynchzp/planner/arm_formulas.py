@@ -133,31 +133,43 @@ def arm_collectives(arm: str, t: traffic.TrafficInputs, d_p: int, d_g: int, d_o:
 
 
 def arm_memory(arm: str, num_params: int, world: int, node_size: int, d_p: int, d_g: int, param_bytes: int,
-               d_o: int | None = None, grad_accum_bytes: int | None = None) -> dict:
+               d_o: int | None = None, grad_accum_bytes: int | None = None, reference_models: int = 0) -> dict:
     """Model-state bytes per rank, from :func:`ds_asynchzp.formulas.sizing.model_state_bytes_per_rank`.
 
     Stock ZeRO-3 is the layout ``d_p = d_g = d_o = world`` (its partitions are the ``param_shard`` and
     ``grad_shard`` roles); hpZ adds a secondary partition over the node (``b·Ψ/G``, kept unquantized by
     DeepSpeed, also under qwZ). Quantized arms store the same states as their unquantized twins.
     ``grad_accum_bytes`` defaults to ``param_bytes`` (DeepSpeed accumulates in the model dtype by default).
+    ``reference_models`` adds ``reference_params``: their partitions over the world, with hpZ's secondary over
+    the node for hpz and zeropp and AsyncHZP's copy over ``d_p`` (`sizing.reference_bytes_per_rank`).
     """
     a = param_bytes if grad_accum_bytes is None else grad_accum_bytes
     if arm in ("zero3", "hpz", "zeropp"):
         parts = sizing.model_state_bytes_per_rank(num_params, world, world, world, world, param_bytes=param_bytes,
                                                   grad_accum_bytes=a)
+        del parts["total"]
         if arm != "zero3":
             parts["param_secondary"] = sizing.model_state_bytes_per_rank(
                 num_params, world, node_size, world, world, param_bytes=param_bytes)["param_shard"]
-            parts["total"] = sum(v for k, v in parts.items() if k != "total")
-        return parts
+        if reference_models:
+            parts["reference_params"] = sizing.reference_bytes_per_rank(
+                num_params, world, world if arm == "zero3" else node_size, reference_models, param_bytes)
+        return {**parts, "total": sum(parts.values())}
     if arm.startswith("asynchzp"):
-        return sizing.model_state_bytes_per_rank(num_params, world, d_p, d_g, world if d_o is None else d_o,
-                                                 param_bytes=param_bytes, grad_accum_bytes=a)
+        d_o = world if d_o is None else d_o
+        parts = sizing.model_state_bytes_per_rank(num_params, world, d_p, d_g, d_o, param_bytes=param_bytes,
+                                                  grad_accum_bytes=a)
+        if reference_models:
+            parts["reference_params"] = sizing.reference_bytes_per_rank(num_params, world, d_p, reference_models,
+                                                                        param_bytes)
+            parts["total"] += parts["reference_params"]
+        return parts
     raise ValueError(f"unknown arm {arm!r}; known: {', '.join(ARMS)}")
 
 
 def traffic_inputs(num_params: int, world: int, node_size: int, grad_accum: int, dtype: str,
-                   multiple: int | None = None, grad_comm_bytes: float | None = None) -> traffic.TrafficInputs:
+                   multiple: int | None = None, grad_comm_bytes: float | None = None,
+                   reference_models: int = 0) -> traffic.TrafficInputs:
     """Inputs for a planned model: one tensor padded to a multiple of ``multiple`` (default: the world; ``d_o``
     for AsyncHZP), every element gathered, reduced and trained; gradients on the wire in the parameter dtype unless
     ``grad_comm_bytes`` says otherwise (fp32 under sequence parallelism)."""
@@ -165,4 +177,5 @@ def traffic_inputs(num_params: int, world: int, node_size: int, grad_accum: int,
     b = DTYPE_BYTES[dtype]
     return traffic.TrafficInputs(world=world, node_size=node_size, grad_accum=grad_accum, gathered_elements=padded,
                                  reduced_elements=padded, trainable_elements=padded, param_bytes=b,
-                                 grad_comm_bytes=b if grad_comm_bytes is None else grad_comm_bytes)
+                                 grad_comm_bytes=b if grad_comm_bytes is None else grad_comm_bytes,
+                                 reference_models=reference_models)

@@ -46,14 +46,22 @@ def _argtype(parse):
     return convert
 
 
-def _positive_int(text: str) -> int:
+def _int_at_least(text: str, least: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise ValueError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise ValueError(f"must be >= 1, got {value}")
+    if value < least:
+        raise ValueError(f"must be >= {least}, got {value}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    return _int_at_least(text, 1)
+
+
+def _non_negative_int(text: str) -> int:
+    return _int_at_least(text, 0)
 
 
 def _shard_size(text: str) -> int | str:
@@ -103,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--optimizer-shard-size", type=_argtype(_shard_size), default="auto",
                         help='d_o: "auto" or a divisor of --world that is a multiple of d_g; "auto" sizes are '
                              "chosen together, integer sizes constrain them (default: %(default)s)")
+    parser.add_argument("--reference-models", type=_argtype(_non_negative_int), default=0,
+                        help="models of the same size without an optimizer, one forward per micro-step (a DPO "
+                             "reference model: 1; async_hzp.reference_models); counted in memory, bytes and "
+                             "\"auto\" (default: %(default)s)")
     parser.add_argument("--offload-optimizer", action="store_true",
                         help='plan with zero_optimization.offload_optimizer.device "cpu": "auto" budgets device '
                              "bytes only; every arm shows device and host memory per rank with and without "
@@ -206,6 +218,10 @@ def format_plan(result: dict) -> str:
         lines.append(f"optimizer offload (offload_optimizer.device \"cpu\"): master weights, Adam moments and fp32 "
                      f"gradients on the host; host<->device copies at {inp['host_device_bw_bytes_per_s'] / GB:g} "
                      "GB/s per rank; the budget bounds device memory")
+    if inp.get("reference_models"):
+        lines.append(f"{inp['reference_models']} reference model(s) of the same size without an optimizer, one "
+                     "forward per micro-step (async_hzp.reference_models): in every arm's memory and bytes below, "
+                     "and in \"auto\"")
     budget = f"budget {_gib(auto['budget_bytes'])}, {auto['budget_source']}"
     if auto["error"] is None:
         lines.append(f'"auto" would choose d_p={auto["d_p"]} d_g={auto["d_g"]} d_o={auto["d_o"]} ({budget}):')
@@ -390,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
                       intra_bw, inter_bw, args.device_memory, args.memory_budget,
                       args.param_shard_size, args.grad_shard_size, args.optimizer_shard_size,
                       args.grad_accum_dtype, moe=moe, offload_optimizer=args.offload_optimizer, sp=sp,
-                      nics_per_node=args.nics_per_node, allreduce=args.allreduce)
+                      nics_per_node=args.nics_per_node, allreduce=args.allreduce,
+                      reference_models=args.reference_models)
     except ValueError as exc:  # includes AsyncHZPConfigError for an invalid explicit layout
         parser.error(str(exc))
     if default_bandwidths:

@@ -47,7 +47,7 @@ def resolve_plan_layout(num_params: int, world: int, node_size: int, sizes: dict
                         dtype: str = "bf16", grad_accum_dtype: str | None = None, budget_bytes: float | None = None,
                         intra_bw: float | None = None, inter_bw: float | None = None,
                         offload_optimizer: bool = False, sp: "sp_plan.SpInputs | None" = None,
-                        nics_per_node: int | None = None) -> dict:
+                        nics_per_node: int | None = None, reference_models: int = 0) -> dict:
     """The layout the engine resolves for ``sizes`` (``{"param_shard_size": "auto" | int | None, ...}``), through
     :func:`ds_asynchzp.config.resolve_layout` itself: ``{"d_p", "d_g", "d_o", "reason", "error"}``; with
     ``offload_optimizer`` for a ds_config that offloads the optimizer to the host.
@@ -61,6 +61,8 @@ def resolve_plan_layout(num_params: int, world: int, node_size: int, sizes: dict
     section["inter_node_bandwidth_gbps"] = (inter_bw or DEFAULT_INTER_BW) * 8 / 1e9
     if nics_per_node is not None:
         section["nics_per_node"] = nics_per_node
+    if reference_models:
+        section["reference_models"] = reference_models
     config = _ds_config(world, grad_accum, dtype, grad_accum_dtype, section, offload_optimizer,
                         4 if sp is None else sp.grad_comm_bytes)
     padded = sizing.padded_num_params([num_params], world)  # as the engine counts before d_o is known
@@ -81,7 +83,7 @@ def plan(num_params: int, world: int, node_size: int, grad_accum: int = 1, dtype
          grad_shard_size: int | str | None = None, optimizer_shard_size: int | str | None = "auto",
          grad_accum_dtype: str | None = None, moe: "moe_plan.MoeInputs | None" = None,
          offload_optimizer: bool = False, sp: "sp_plan.SpInputs | None" = None,
-         nics_per_node: int | None = None, allreduce: str = "ring") -> dict:
+         nics_per_node: int | None = None, allreduce: str = "ring", reference_models: int = 0) -> dict:
     """The whole plan as a JSON-ready dict: inputs, the ``"auto"`` pick and why, and per arm memory, bytes, time.
 
     Budget for ``"auto"``: ``memory_budget`` if given, else ``sizing.DEFAULT_BUDGET_FRACTION`` of
@@ -111,6 +113,10 @@ def plan(num_params: int, world: int, node_size: int, grad_accum: int = 1, dtype
     the seconds on each at ``inter_bw`` per NIC and ``intra_bw`` per rank, and ``total``, each collective at its
     busiest link's pace, one after another (`formulas.links.step_seconds`).
     ``bytes_per_step`` keeps the bytes each rank sends (the ring model), split by whether the group spans nodes.
+
+    ``reference_models`` (``async_hzp.reference_models``) plans that many models of the same size without an
+    optimizer, each with one forward per micro-step: "auto" counts them, and every arm's memory and bytes include
+    them (``reference_params``; the ``reference_gather`` flow).
     """
     topology = links.Topology(world, node_size, nics_per_node, "nccl", allreduce)
     if sp is not None:
@@ -141,7 +147,7 @@ def plan(num_params: int, world: int, node_size: int, grad_accum: int = 1, dtype
         budget, budget_source = float(sizing.default_budget_bytes(node_size)), "detected on this machine"
     common = dict(grad_accum=grad_accum, dtype=dtype, grad_accum_dtype=grad_accum_dtype, budget_bytes=budget,
                   intra_bw=intra_bw, inter_bw=inter_bw, offload_optimizer=offload_optimizer, sp=sp,
-                  nics_per_node=nics_per_node)
+                  nics_per_node=nics_per_node, reference_models=reference_models)
     auto_sizes = dict.fromkeys(sizing.SIZE_KEYS, "auto")
     sizes = dict(zip(sizing.SIZE_KEYS, (param_shard_size, grad_shard_size, optimizer_shard_size)))
     if moe is not None:  # AutoEP allows d_o = world only (config_compat.expert_issues); "auto" picks it
@@ -165,7 +171,7 @@ def plan(num_params: int, world: int, node_size: int, grad_accum: int = 1, dtype
         fixed = {k: v for k, v in sizes.items() if isinstance(v, int)}
         d_p, d_g, d_o, _ = sizing.smallest_memory_layout(
             sizing.padded_num_params([num_params], world), world, node_size, param_bytes=b, grad_accum_bytes=a,
-            fixed=fixed, offload_optimizer=offload_optimizer)
+            fixed=fixed, offload_optimizer=offload_optimizer, reference_models=reference_models)
         source = "smallest memory (auto found no fit)"
 
     arms = {}
@@ -173,8 +179,10 @@ def plan(num_params: int, world: int, node_size: int, grad_accum: int = 1, dtype
     for arm in ARMS:
         asynchzp = arm.startswith("asynchzp")
         t = traffic_inputs(num_params, world, node_size, grad_accum, dtype, multiple=d_o if asynchzp else world,
-                           grad_comm_bytes=None if sp is None else sp.grad_comm_bytes)
-        memory = arm_memory(arm, t.trainable_elements, world, node_size, d_p, d_g, b, d_o=d_o, grad_accum_bytes=a)
+                           grad_comm_bytes=None if sp is None else sp.grad_comm_bytes,
+                           reference_models=reference_models)
+        memory = arm_memory(arm, t.trainable_elements, world, node_size, d_p, d_g, b, d_o=d_o, grad_accum_bytes=a,
+                            reference_models=reference_models)
         moved = arm_bytes(arm, t, d_p, d_g, d_o)
         collectives = arm_collectives(arm, t, d_p, d_g, d_o)
         if sp is not None:
@@ -233,7 +241,8 @@ def plan(num_params: int, world: int, node_size: int, grad_accum: int = 1, dtype
                    "nodes": world // node_size, "grad_accum": grad_accum, "dtype": dtype, "param_bytes": b,
                    "grad_comm_bytes": b, "grad_accum_bytes": a, "intra_bw_bytes_per_s": intra_bw,
                    "inter_bw_bytes_per_s": inter_bw, "device_memory_bytes": device_memory,
-                   "nics_per_node": topology.nics, "allreduce": allreduce, "topology": topology.describe()},
+                   "nics_per_node": topology.nics, "allreduce": allreduce, "topology": topology.describe(),
+                   "reference_models": reference_models},
         "auto": auto,
         "layout": {"d_p": d_p, "d_g": d_g, "d_o": d_o, "source": source, "reason": chosen["reason"]},
         "arms": arms,
@@ -261,6 +270,11 @@ def plan(num_params: int, world: int, node_size: int, grad_accum: int = 1, dtype
             "memory: model states only (no activations, buffers, fragmentation)",
         ],
     }
+    if reference_models:
+        result["assumptions"].append(
+            f"{reference_models} reference model(s) of the same size without an optimizer, one forward per "
+            "micro-step: partitioned over the world, plus hpZ's secondary over the node (hpz, zeropp) or AsyncHZP's "
+            "copy over d_p (1 < d_p < world); their gathers counted from the second step on")
     if sp is not None:
         result["sequence_parallel"] = {"sp": sp.sp, "seq_len": sp.seq_len, "hidden": sp.hidden, "layers": sp.layers,
                                        "kv_hidden": sp.kv_hidden or sp.hidden,

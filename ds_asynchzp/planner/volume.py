@@ -26,15 +26,16 @@ TABLE_FLOWS = (F.FORWARD_GATHER, F.BACKWARD_GATHER, F.GRADIENT_REDUCTION, F.PARA
 
 
 def zero3_flows(t: traffic.TrafficInputs) -> dict:
+    """A reference model's gathers (`TrafficInputs.reference_models`) run in its forward."""
     gather = t.grad_accum * t.param_bytes * t.gathered_elements * _ring(t.world)
-    return {F.FORWARD_GATHER: gather, F.BACKWARD_GATHER: gather,
+    return {F.FORWARD_GATHER: (1 + t.reference_models) * gather, F.BACKWARD_GATHER: gather,
             F.GRADIENT_REDUCTION: t.grad_accum * t.grad_comm_bytes * t.reduced_elements * _ring(t.world),
             F.PARAMETER_REFRESH: 0.0}
 
 
 def hpz_flows(t: traffic.TrafficInputs, weight_bytes: float | None = None) -> dict:
     """The first forward after a step gathers the trainable parameters over the world; the rest read the
-    node's secondary partition."""
+    node's secondary partition, as do a reference model's (its copy never goes stale)."""
     b = t.param_bytes if weight_bytes is None else weight_bytes
     return {F.FORWARD_GATHER: b * t.trainable_elements * _ring(t.world), F.BACKWARD_GATHER: 0.0,
             F.GRADIENT_REDUCTION: t.grad_accum * t.grad_comm_bytes * t.reduced_elements * _ring(t.world),
@@ -70,9 +71,10 @@ def published_flows(arm: str, t: traffic.TrafficInputs) -> dict | None:
 
 def asynchzp_table_flows(t: traffic.TrafficInputs, d_p: int, d_g: int, d_o: int, quantization) -> dict:
     """AsyncHZP's flows (`traffic.asynchzp_flows`) in the table's terms; its gathers are split evenly between
-    forward and backward (the same parameters, once each)."""
+    forward and backward (the same parameters, once each); a reference model's are in the forward."""
     flows = {name: v["inter_node"] for name, v in traffic.asynchzp_flows(t, d_p, d_g, d_o, quantization).items()}
-    return {F.FORWARD_GATHER: flows["param_gather"] / 2, F.BACKWARD_GATHER: flows["param_gather"] / 2,
+    return {F.FORWARD_GATHER: flows["param_gather"] / 2 + flows["reference_gather"],
+            F.BACKWARD_GATHER: flows["param_gather"] / 2,
             F.GRADIENT_REDUCTION: flows["grad_reduce_scatter"] + flows["boundary_grad"] + flows["boundary_allreduce"],
             F.PARAMETER_REFRESH: flows["param_refresh"] + flows["persistent_regather"]}
 

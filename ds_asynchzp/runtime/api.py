@@ -129,6 +129,9 @@ def _initialize_without_optimizer(layout: ResolvedLayout, arguments: dict):
     if getattr(arguments.get("args"), "deepspeed_config", None) is not None:
         arguments["args"] = copy.copy(arguments["args"])
         arguments["args"].deepspeed_config = None
+    if layout.auto_reason is not None and not layout.reference_models:
+        placement += ('; "auto" chose the sizes without this engine\'s memory and forwards: set '
+                      "async_hzp.reference_models to the number of models built without an optimizer")
     if layout.log_layout and _rank() == 0:
         print(f"[ds_asynchzp] {layout.describe()}; {placement}", flush=True)
     with hpz_groups_while_built(d_p) if hierarchical else contextlib.nullcontext():
