@@ -36,7 +36,7 @@ def _two_nodes_of_two(tmp_path, name: str, *args: str) -> dict:
            "PYTHONPATH": str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     procs = [subprocess.Popen([*TORCHRUN, "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "2",
                                "--master_addr", "127.0.0.1", "--master_port", str(port),
-                               "tests/_trl_dpo_job.py", "--out", str(out), *args],
+                               "examples/trl_dpo.py", "--out", str(out), *args],
                               cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               start_new_session=True)
              for node in (0, 1)]

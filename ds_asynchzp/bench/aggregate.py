@@ -113,6 +113,16 @@ def aggregate_arm(rank_results: list, warmup: int, tokens_per_step: int) -> dict
             host_device = {d: sum(s["host_device"][d] for s in steady) / n_ranks for d in ("to_host", "to_device")}
             host_device["total"] = host_device["to_host"] + host_device["to_device"]
 
+    models = sorted({m for r in by_rank for st in r["steps"] for m in st.get("by_model", {})})
+    model_keys = (*where, "link_bytes")
+    # Per labelled model (an engine without an optimizer: a reference model), every step's bytes, mean over ranks,
+    # and the steady steps' (the first step may differ: a copy made at its first gather).
+    bytes_by_model_by_step = {m: [{k: sum(r["steps"][s].get("by_model", {}).get(m, {}).get(k, 0.0) for r in by_rank)
+                                   / n_ranks for k in model_keys} for s in range(n_steps)] for m in models} or None
+    bytes_by_model = None
+    if models and all("by_model" in r.get("steady_bytes_per_step", {}) for r in by_rank):
+        bytes_by_model = {m: {k: sum(r["steady_bytes_per_step"]["by_model"].get(m, {}).get(k, 0.0) for r in by_rank)
+                              / n_ranks for k in model_keys} for m in models}
     median_step = statistics.median(step_times[warmup:])
     tensors = by_rank[0].get("parameter_tensors")
     cpu_median = _steady_median(cpu, warmup)
@@ -134,6 +144,10 @@ def aggregate_arm(rank_results: list, warmup: int, tokens_per_step: int) -> dict
         "bytes_per_step_by_family": bytes_by_family,
         # forward gather / backward gather / gradient reduction / parameter refresh / other (formulas.flows).
         "bytes_per_step_by_flow": bytes_by_flow,
+        # A labelled model's share (`platform.ledger.model_scope`: the forwards of an engine without an optimizer),
+        # steady and step by step; None when the job ran none.
+        "bytes_per_step_by_model": bytes_by_model,
+        "bytes_by_model_by_step": bytes_by_model_by_step,
         "families": by_rank[0].get("families"),
         # Bytes copied between device and host memory that the ledger saw (AsyncHZP's offload copies), per rank per
         # optimizer step, mean over ranks; None from workers that predate the figure.

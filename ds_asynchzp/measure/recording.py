@@ -252,9 +252,31 @@ def end_script(arm: str, grace_s: float = EXIT_GRACE_S) -> None:
     raise SystemExit(0)
 
 
+class ReferenceLabel:
+    """Watches an engine without an optimizer (a reference model, a teacher): the collectives its forwards issue on
+    the training thread carry the ledger's model label ``"reference"`` (`platform.ledger.model_scope`), so the
+    record splits them out (``by_model``) where node links and, under stock ZeRO-3, process groups cannot."""
+
+    LABEL = "reference"
+
+    def __init__(self, engine):
+        self._scopes: list = []
+        watch_engine(engine, self)
+
+    def forward_begun(self, engine) -> None:
+        scope = ledger.model_scope(self.LABEL)
+        scope.__enter__()
+        self._scopes.append(scope)
+
+    def forward_ended(self, engine) -> None:
+        if self._scopes:
+            self._scopes.pop().__exit__(None, None, None)
+
+
 class ArmRecorder:
     """The observer `asynchzp-ab` names: records the first engine with an optimizer built under a ds_config that
-    holds `RECORD_KEY`; an engine without one (a reference model) is not recorded."""
+    holds `RECORD_KEY`; the forwards of an engine without one (a reference model) are labelled
+    (`ReferenceLabel`), not recorded as steps."""
 
     def __init__(self):
         self._begun: tuple[RecordSettings, float] | None = None
@@ -280,9 +302,17 @@ class ArmRecorder:
 
     def after_engine(self, engine, ds_config: dict) -> None:
         """Check the engine is the arm's and record its optimizer steps."""
+        from ..platform.deepspeed_internals import is_parameter_only_engine
+
         begun, self._begun = self._begun, None
-        if begun is None or getattr(engine, "optimizer", None) is None:
-            return  # not a recorded arm, or a parameter-only engine (a reference model): nothing steps
+        if is_parameter_only_engine(engine):
+            # A parameter-only engine (a reference model), built before or after the recorded one: nothing
+            # steps, but its forwards' bytes are the arm's too.
+            if RecordSettings.from_ds_config(ds_config) is not None and ledger.get() is not None:
+                ReferenceLabel(engine)
+            return
+        if begun is None:
+            return  # not a recorded arm
         settings, started = begun
         check_engine(engine, ds_config, settings.expected_optimizer, settings.arm)
         self.recording = EngineRecording(engine, ds_config, settings, started)

@@ -144,9 +144,16 @@ def _per_step(totals: dict, steps: int) -> dict:
             # Messages this rank sent to each rank of another node (`platform.ledger`), by kind.
             "crossing_messages": {style: {str(peer): count / steps for peer, count in by_peer.items()}
                                   for style, by_peer in totals["crossing_messages"].items()},
+            # Bytes of the collectives a labelled model issued (a reference model's forwards, `platform.ledger`).
+            "by_model": _by_model(totals, steps),
             "by_flow": {name: {key: v[key] / steps for key in
                                ("intra_node", "inter_node", "intra_node_scales", "inter_node_scales")}
                         for name, v in totals["by_flow"].items()}}
+
+
+def _by_model(summary: dict, steps: int = 1) -> dict:
+    return {name: {key: v[key] / steps for key in ("intra_node", "inter_node", "link_bytes")}
+            for name, v in summary.get("by_model", {}).items()}
 
 
 class StepRecorder:
@@ -244,6 +251,7 @@ class StepRecorder:
                       for op, v in comm["by_op"].items()},
             "by_family": {name: {"intra_node": v["intra_node"], "inter_node": v["inter_node"]}
                           for name, v in comm["by_family"].items()},
+            "by_model": _by_model(comm),
         })
 
     def finish(self, ds_config: dict) -> dict:

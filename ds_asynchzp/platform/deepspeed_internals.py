@@ -20,6 +20,7 @@ import deepspeed
 import deepspeed.comm as ds_comm
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero import stage3 as _stage3_module
+from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.runtime.zero.partition_parameters import Init as _ZeroInit
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
@@ -279,6 +280,13 @@ def stage3_sub_groups(optimizer: DeepSpeedZeroOptimizer_Stage3):
 
 
 # ------------------------------------------------------------------------------------------ parameter state
+def is_parameter_only_engine(engine) -> bool:
+    """An engine built without an optimizer: DeepSpeed's ZeRO-3 then sets `engine.optimizer` to its parameter
+    coordinator (`DeepSpeedZeRoOffload`), which gathers and partitions but never steps."""
+    optimizer = getattr(engine, "optimizer", None)
+    return optimizer is None or isinstance(optimizer, DeepSpeedZeRoOffload)
+
+
 def is_zero_param(param) -> bool:
     return hasattr(param, "ds_id") and hasattr(param, "ds_tensor")
 

@@ -43,6 +43,12 @@ Families. With AutoEP's experts, every record also belongs to one of three famil
 expert-data-parallel group), `tokens` (the token all-to-all of an expert-parallel group, which DeepSpeed issues)
 and `dense` (everything else). `set_expert_groups` tells the ledger which groups those are.
 
+Models. A job may run several engines (a DPO policy and its reference model); on a node link their bytes cannot
+be told apart, nor, under stock ZeRO-3, by process group (both gather over the world). A thread may label the
+collectives it issues with the model it is running (`model_scope`); `summary()["by_model"]` totals the labelled
+records by label. Only the labelling thread's own records carry the label: a communication thread's collective
+for another engine, issued meanwhile, does not.
+
 Host-device copies. With optimizer states on the host, the copies between the device and the host memory are
 a flow of their own (`note_host_copy`): bytes to the host and to the device, apart from the collectives
 (`summary()["host_device"]`). A copy counts in a summary whose record range holds its position (the number of
@@ -112,6 +118,7 @@ class CommRecord:
     scale_share: float = 0.0       # the part of its bytes that is quantization scales (`carrying_scales`)
     # Messages this rank sends to ranks on other nodes: ((peer, count, "ring" | "pairwise"), ...).
     crossing_sends: tuple = ()
+    model: str = ""                # the issuing thread's model label (`model_scope`), "" without one
 
 
 def _nbytes(value) -> int:
@@ -147,6 +154,7 @@ class CommLedger:
         self._lock = threading.Lock()
         self._tags = threading.local()
         self._scales = threading.local()
+        self._models = threading.local()
         # Stock ZeRO++ sends its quantization scales as collectives of their own, in fp32 beside the integer
         # payload (`count_floating_as_scales`); AsyncHZP packs them into the payload (`carrying_scales`).
         self.floating_scale_ops: frozenset = frozenset()
@@ -303,7 +311,7 @@ class CommLedger:
         record = CommRecord(op=kind, method=method, buffer_bytes=total, wire_bytes=wire, group_size=n,
                             group_ranks=tuple(ranks), inter_node=inter, tag=self.current_tag(), link_bytes=link,
                             phase=self.phase, scale_share=self._scale_share(kind, arguments.get(size_arg)),
-                            crossing_sends=sends)
+                            crossing_sends=sends, model=getattr(self._models, "label", ""))
         with self._lock:
             self.records.append(record)
         return record
@@ -330,6 +338,16 @@ class CommLedger:
             yield
         finally:
             stack.pop()
+
+    @contextlib.contextmanager
+    def model_scope(self, label: str) -> Iterator[None]:
+        """Label the collectives this thread issues inside the block with the model it runs (`by_model`)."""
+        previous = getattr(self._models, "label", "")
+        self._models.label = label
+        try:
+            yield
+        finally:
+            self._models.label = previous
 
     # ------------------------------------------------------------------ quantization scales
     @contextlib.contextmanager
@@ -393,7 +411,7 @@ class CommLedger:
         `skip_tags` (inspections a caller made in the middle of a measurement)."""
         out = {"intra_node": 0.0, "inter_node": 0.0, "calls": 0, "link_bytes": 0.0, "seconds": 0.0, "by_op": {},
                "by_family": {}, "by_flow": {}, "host_device": {"to_host": 0, "to_device": 0},
-               "crossing_messages": {"ring": {}, "pairwise": {}}}
+               "crossing_messages": {"ring": {}, "pairwise": {}}, "by_model": {}}
         with self._lock:
             copies = list(self.host_copies)
         for position, direction, nbytes in copies:
@@ -410,6 +428,12 @@ class CommLedger:
             for peer, count, style in record.crossing_sends:
                 by_peer = out["crossing_messages"][style]
                 by_peer[peer] = by_peer.get(peer, 0) + count
+            if record.model:
+                part = out["by_model"].setdefault(record.model, {"intra_node": 0.0, "inter_node": 0.0, "calls": 0,
+                                                                 "link_bytes": 0.0})
+                part[where] += record.wire_bytes
+                part["calls"] += 1
+                part["link_bytes"] += record.link_bytes
             for key, name in (("by_op", record.op), ("by_family", self.family_of(record)),
                               ("by_flow", flows.flow_of(record.op, record.tag, record.phase))):
                 part = out[key].setdefault(name, {"intra_node": 0.0, "inter_node": 0.0, "calls": 0,
@@ -498,6 +522,10 @@ def note_delay(start: float, end: float) -> None:
 
 def tagged(tag: str):
     return _LEDGER.tagged(tag) if _LEDGER else contextlib.nullcontext()
+
+
+def model_scope(label: str):
+    return _LEDGER.model_scope(label) if _LEDGER else contextlib.nullcontext()
 
 
 def carrying_scales(share: float):

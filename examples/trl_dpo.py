@@ -1,14 +1,18 @@
-"""TRL's DPOTrainer with a reference model under DeepSpeed ZeRO-3, as a training script (tests/test_trl_dpo.py runs
-it on CPU ranks). Nothing is downloaded: a character-level tokenizer, a tiny random Llama and a preference data
-set are built here. The Llama is saved once and both models are loaded with `from_pretrained` after the trainer's
-arguments exist, as TRL's users load them: under ZeRO-3, so `deepspeed.zero.Init` partitions them over the world
-as they are built.
+"""TRL's DPOTrainer with a reference model under DeepSpeed ZeRO-3, as DPO users run it. Nothing is downloaded: a
+character-level tokenizer, a tiny random Llama and a preference data set are built here. The Llama is saved once
+and both models are loaded with `from_pretrained` after the trainer's arguments exist, as TRL's users load them:
+under ZeRO-3, so `deepspeed.zero.Init` partitions them over the world as they are built. TRL then builds the
+reference model's engine from a copy of the trainer's ds_config without its optimizer.
 
-    torchrun ... tests/_trl_dpo_job.py --out losses.json [--asynchzp]
+    torchrun --nproc_per_node 4 examples/trl_dpo.py --out result.json [--asynchzp]
+    asynchzp-ab --arms zero3,asynchzp --steps 6 --config examples/ds_config_trl_dpo.json --out ab -- \
+        asynchzp-cluster --nodes 2 --ranks-per-node 2 -- deepspeed --num_gpus 2 examples/trl_dpo.py \
+        --deepspeed_config {config} --output_dir ab/{arm}/dpo_out
 
-`--asynchzp` adds an "async_hzp" section to the ds_config and calls `ds_asynchzp.register()`, as a user of HF or
-TRL would; TRL then builds the reference model's engine from a copy of that config without its optimizer. Rank 0
-writes every micro-step's loss, unrounded (the Trainer's log rounds to 4 digits), and the engines' types.
+The script calls `ds_asynchzp.register()`, as a user of HF or TRL would: the ds_config decides what runs (stock
+ZeRO-3 without an "async_hzp" section). `--deepspeed_config` reads it from a file; without it the built-in one is
+used, with an empty "async_hzp" section under `--asynchzp`. With `--out`, rank 0 writes every micro-step's loss,
+unrounded (the Trainer's log rounds to 4 digits), and the engines' types.
 """
 
 from __future__ import annotations
@@ -52,24 +56,31 @@ def build_dataset():
                               "rejected": [f"{(a + b + 1 + i % 7) % 19}" for a, b, i in rows]})
 
 
-def ds_config(asynchzp: bool) -> dict:
-    config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-              "train_batch_size": "auto", "gradient_clipping": "auto",
-              "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
-                                                         "weight_decay": "auto", "torch_adam": True}},
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-              "bf16": {"enabled": False}, "fp16": {"enabled": False}}
+CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_config_trl_dpo.json")
+
+
+def ds_config(asynchzp: bool, path: str | None = None) -> dict:
+    """The ds_config the trainer gets: `path`'s, else this folder's ds_config_trl_dpo.json (HF's "auto" values,
+    fp32, every parameter partitioned), with an "async_hzp" section added under `asynchzp` (one reference model)."""
+    with open(path or CONFIG) as f:
+        config = json.load(f)
     if asynchzp:
-        config["async_hzp"] = {}
+        config["async_hzp"] = {"reference_models": 1}   # the DPO reference model, for "auto" and the log
     return config
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--asynchzp", action="store_true")
+    parser.add_argument("--out", default=None, help="rank 0 writes the losses and the engines' types here")
+    parser.add_argument("--steps", type=int, default=4, help="optimizer steps (default: %(default)s)")
+    parser.add_argument("--asynchzp", action="store_true", help="add an async_hzp section to the built-in ds_config")
+    parser.add_argument("--deepspeed_config", default=None, help="a ds_config file instead of the built-in one")
+    parser.add_argument("--output_dir", default=None, help="the trainer's output folder (default: next to --out, "
+                                                          "else ./dpo_out)")
+    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # the deepspeed launcher's
     args = parser.parse_args()
+    if args.deepspeed_config is not None and args.asynchzp:
+        parser.error("--asynchzp adds a section to the built-in ds_config; put it in --deepspeed_config's file instead")
 
     import deepspeed
     import torch
@@ -77,9 +88,8 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")   # CPU ranks; Accelerate adopts the group
     from trl import DPOConfig, DPOTrainer
 
-    if args.asynchzp:
-        import ds_asynchzp
-        ds_asynchzp.register()
+    import ds_asynchzp
+    ds_asynchzp.register()
 
     losses = []
 
@@ -91,12 +101,13 @@ def main() -> None:
             return result
 
     tokenizer = build_tokenizer()
-    saved = os.path.join(os.path.dirname(args.out), "tiny_llama")
+    output_dir = args.output_dir or os.path.join(os.path.dirname(os.path.abspath(args.out)) if args.out else ".",
+                                                 "dpo_out")
+    saved = os.path.join(output_dir, "tiny_llama")
     if torch.distributed.get_rank() == 0:
         build_model(tokenizer).save_pretrained(saved)
     torch.distributed.barrier()
-    output_dir = os.path.join(os.path.dirname(args.out), "dpo_out")
-    config = DPOConfig(output_dir=output_dir, deepspeed=ds_config(args.asynchzp),
+    config = DPOConfig(output_dir=output_dir, deepspeed=ds_config(args.asynchzp, args.deepspeed_config),
                        max_steps=args.steps, per_device_train_batch_size=2, gradient_accumulation_steps=2,
                        learning_rate=1e-3, lr_scheduler_type="constant", max_grad_norm=1.0, logging_steps=1,
                        save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True,
@@ -110,7 +121,7 @@ def main() -> None:
     trainer = RecordingDPOTrainer(model=policy, ref_model=reference, args=config,
                                   train_dataset=build_dataset(), processing_class=tokenizer)
     trainer.train()
-    if torch.distributed.get_rank() == 0:
+    if args.out is not None and torch.distributed.get_rank() == 0:
         reference = trainer.ref_model
         with open(args.out, "w") as f:
             json.dump({"losses": losses, "steps": trainer.state.global_step,

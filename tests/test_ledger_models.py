@@ -1,0 +1,46 @@
+"""The ledger's model labels (`model_scope`): a reference model's collectives are told apart from the trained
+model's by the thread that runs its forward, not by group (stock ZeRO-3 gathers both over the world) or link."""
+
+import threading
+
+import torch
+
+from ds_asynchzp.platform.ledger import CommLedger
+
+
+class _World:
+    """Rank 0 of 4 in nodes of 2: enough of a backend for the ledger's arithmetic."""
+
+    def get_rank(self):
+        return 0
+
+    def get_world_size(self, group=None):
+        return 4
+
+
+def _gather(ledger: CommLedger, numel: int) -> None:
+    ledger._record("all_gather_into_tensor", "all_gather", "output_tensor",
+                   {"output_tensor": torch.empty(numel), "group": None})
+
+
+def test_only_the_labelling_threads_collectives_count_for_the_model():
+    ledger = CommLedger(node_size=2)
+    ledger._backend = _World()
+    _gather(ledger, 100)                                   # the trained model's, before the label
+    with ledger.model_scope("reference"):
+        _gather(ledger, 1000)
+        # A communication thread's collective for the trained model, issued while the reference runs.
+        other = threading.Thread(target=_gather, args=(ledger, 10))
+        other.start()
+        other.join()
+        with ledger.model_scope("teacher"):
+            _gather(ledger, 50)
+        _gather(ledger, 1000)
+    _gather(ledger, 100)
+    by_model = ledger.summary()["by_model"]
+    assert set(by_model) == {"reference", "teacher"}
+    assert by_model["reference"]["calls"] == 2 and by_model["teacher"]["calls"] == 1
+    # A world gather of 4000 bytes: 3/4 of it sent by each rank, across nodes; rank 0's ring successor (1) is in
+    # its own node, so it puts nothing on a link.
+    assert by_model["reference"]["inter_node"] == 2 * 0.75 * 4000 and by_model["reference"]["link_bytes"] == 0
+    assert ledger.summary()["calls"] == 6
