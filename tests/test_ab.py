@@ -49,8 +49,11 @@ def test_each_arm_changes_only_its_own_keys_of_the_users_config():
     assert (zeropp["zero_hpz_partition_size"], zeropp["zero_quantized_weights"],
             zeropp["zero_quantized_gradients"]) == (2, True, True)
     hzp = arm_ds_config(shared, parse_arm_spec("asynchzp:param_shard_size=1"), 2)
-    # The user's section is kept, "enabled": false dropped (the arm always enables it), the override added.
-    assert hzp["async_hzp"] == {"prefetch_depth": 1, "param_shard_size": 1}
+    # The user's section is kept, "enabled": false dropped (the arm always enables it), the override added, and the
+    # ranks per node the tool knows (Accelerate rewrites LOCAL_WORLD_SIZE on CPU ranks) unless the section names them.
+    assert hzp["async_hzp"] == {"node_size": 2, "prefetch_depth": 1, "param_shard_size": 1}
+    own = dict(shared, async_hzp={"node_size": 4})
+    assert arm_ds_config(own, parse_arm_spec("asynchzp"), 2)["async_hzp"]["node_size"] == 4
     assert "zero_hpz_partition_size" not in hzp["zero_optimization"]
     assert arm_ds_config(shared, parse_arm_spec("asynchzp-sync"), 2)["async_hzp"]["async_comm"] is False
     assert shared["async_hzp"] == {"enabled": False, "prefetch_depth": 1}, "the user's config is not modified"

@@ -85,7 +85,8 @@ def arm_ds_config(shared: dict, spec: "ArmSpec", node_size: int) -> dict:
 
     Everything but the arm's keys is the shared config's: zero3 drops the ``async_hzp`` section and ZeRO++'s keys;
     hpz sets ``zero_hpz_partition_size`` to the node; zeropp adds qwZ and qgZ; an AsyncHZP arm keeps the shared
-    section (its ``enabled`` key dropped: the arm always enables it), adds its own keys and the spec's overrides;
+    section (its ``enabled`` key dropped: the arm always enables it) with ``node_size`` unless the section gives it,
+    adds its own keys and the spec's overrides;
     the offload arms add ``offload_optimizer``."""
     config = copy.deepcopy(shared)
     section = {k: v for k, v in (config.pop("async_hzp", None) or {}).items() if k != "enabled"}
@@ -99,7 +100,9 @@ def arm_ds_config(shared: dict, spec: "ArmSpec", node_size: int) -> dict:
     zero.update(arm_zero_keys(spec.base))
     if spec.base in OVERRIDABLE_ARMS:
         # The arm's fixed keys cannot collide with the overrides: parse_arm_spec refuses those keys.
-        config["async_hzp"] = {**section, **ARM_SECTION_KEYS[spec.base], **spec.overrides}
+        # The ranks per node the tool was given or read from the launch command, unless the shared section names
+        # them: Accelerate rewrites LOCAL_WORLD_SIZE on CPU ranks, so the environment may not tell.
+        config["async_hzp"] = {"node_size": node_size, **section, **ARM_SECTION_KEYS[spec.base], **spec.overrides}
     return config
 
 

@@ -93,7 +93,7 @@ def _initialize_without_optimizer(layout: ResolvedLayout, arguments: dict):
     model = arguments.get("model")
     why_stock = None
     if not 1 < layout.sizes.param_shard_size < layout.sizes.world_size:
-        why_stock = "d_p is the world"
+        why_stock = "d_p is 1 or the world, so there is no partition inside the node to add"
     elif layout.sequence_parallel_size > 1:
         why_stock = "hpZ's secondary partition is not part of DeepSpeed's Ulysses sequence-parallel path"
     elif autoep_size(config) is not None:
