@@ -82,6 +82,12 @@ def main() -> None:
     if args.deepspeed_config is not None and args.asynchzp:
         parser.error("--asynchzp adds a section to the built-in ds_config; put it in --deepspeed_config's file instead")
 
+    # AsyncHZP's node_size defaults to LOCAL_WORLD_SIZE (else LOCAL_SIZE); on CPU ranks Accelerate, which the
+    # trainer's arguments start, writes LOCAL_WORLD_SIZE = 1 where the deepspeed launcher set only LOCAL_SIZE, and
+    # every rank would count as a node of its own (examples/hf_trainer.py does the same).
+    if "LOCAL_SIZE" in os.environ and "LOCAL_WORLD_SIZE" not in os.environ:
+        os.environ["LOCAL_WORLD_SIZE"] = os.environ["LOCAL_SIZE"]
+
     import deepspeed
     import torch
 

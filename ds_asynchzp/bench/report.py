@@ -20,6 +20,7 @@ from pathlib import Path
 
 from .buffer_table import format_buffer_table
 from .link_table import format_link_table
+from .model_table import format_model_table
 from .records import read_results
 from .report_intro import is_job_run, job_provenance, job_workload, opening
 from .timeline_plot import plot_timelines
@@ -537,7 +538,7 @@ def write_report(results: dict, out_dir: Path) -> Path:
                  [*_provenance(env, config), *_workload(results)])
     lines = [title, "", *opening(results, stats), *described, *(unavailable + [""] if unavailable else []),
              *_results_table(arms, stats, config), *format_link_table(arms, config),
-             *_bytes_table(arms), *_volume(results), *_offload(results), *_parity(arms), *_layout(arms),
+             *_bytes_table(arms), *format_model_table(arms), *_volume(results), *_offload(results), *_parity(arms), *_layout(arms),
              *_memory(arms), *format_buffer_table(arms), "## Plots", "",
              "![loss per optimizer step and relative difference vs zero3](loss.png)", "",
              "![bytes per optimizer step by collective kind](bytes.png)", "",
