@@ -151,6 +151,16 @@ def _per_step(totals: dict, steps: int) -> dict:
                         for name, v in totals["by_flow"].items()}}
 
 
+def _added(total: dict, part: dict) -> dict:
+    """`total` with every number of `part` added at the same place (two ledger summaries as one)."""
+    for key, value in part.items():
+        if isinstance(value, dict):
+            _added(total.setdefault(key, {}), value)
+        elif isinstance(value, (int, float)):
+            total[key] = total.get(key, 0) + value
+    return total
+
+
 def _by_model(summary: dict, steps: int = 1) -> dict:
     return {name: {key: v[key] / steps for key in ("intra_node", "inter_node", "link_bytes")}
             for name, v in summary.get("by_model", {}).items()}
@@ -186,6 +196,8 @@ class StepRecorder:
         self._barrier = barrier if read_link_counter else None
         self._quiesce = getattr(engine.optimizer, "hzp_quiesce_params", None)
         self.steps: list = []
+        self._after_step = None     # the ledger's mark when the last step ended
+        self._between = None
         self.model_states = None
         self.fp32_grad_bytes = None
         self._open = None
@@ -203,17 +215,28 @@ class StepRecorder:
         if self._barrier is not None:
             self._barrier()
 
-    def begin_step(self) -> None:
-        if self.index == self.steady_from and self._quiesce is not None:
-            # Bytes are totalled over the steady steps as a whole: a parameter refresh submitted at the end of a
-            # step crosses the link during the next one, so per-step windows split it by timing. Start the total
-            # from a quiet point (outside any timed step), and end it at one (in `finish`).
+    def _start_steady_total(self) -> None:
+        """Bytes are totalled over the steady steps as a whole: a parameter refresh submitted at the end of a step
+        crosses the link during the next one, so per-step windows split it by timing. The total starts at a quiet
+        point outside any timed step, the end of the last warm-up step (or before the first step, without warm-up),
+        so that it also holds what the script issues between steps (GRPO generates and runs its reference model
+        before the policy's first forward), and ends at one (in `finish`)."""
+        if self._quiesce is not None:
             self._quiesce()
         self._align()
+        self._steady = (ledger.mark(), _read_int(self.link_counter) if self.link_counter else None,
+                        _read_int(self.packet_counter) if self.packet_counter else None)
+
+    def begin_step(self) -> None:
+        if self.index == self.steady_from == 0:
+            self._start_steady_total()
+        self._align()
         mark = ledger.mark()
+        # What the script issued on the training thread since the last step ended belongs to this step's figures;
+        # a communication thread's late work of the step before does not.
+        self._between = (ledger.summary(self._after_step, mark, training_thread_only=True)
+                         if self._after_step is not None else None)
         tx = _read_int(self.link_counter) if self.link_counter else None
-        if self.index == self.steady_from:
-            self._steady = (mark, tx, _read_int(self.packet_counter) if self.packet_counter else None)
         # CPU time of this rank's process (every thread of it): what the step cost the host, unlike wall time
         # barely moved by other load on a shared machine.
         self._open = (mark, tx, time.perf_counter(), time.process_time())
@@ -229,6 +252,8 @@ class StepRecorder:
         end = time.perf_counter()
         cpu_elapsed = time.process_time() - cpu_start
         comm = ledger.summary(mark)
+        if self._between is not None:
+            comm = _added(comm, self._between)
         comm_ledger = ledger.get()
         if self.index == self.timeline_step:
             self.timeline = _timeline(comm_ledger, mark, start, end)
@@ -253,6 +278,9 @@ class StepRecorder:
                           for name, v in comm["by_family"].items()},
             "by_model": _by_model(comm),
         })
+        self._after_step = ledger.mark()
+        if self.index == self.steady_from:
+            self._start_steady_total()
 
     def finish(self, ds_config: dict) -> dict:
         """The rank's record, after the last `end_step`; `ds_config` names the stock arm's layout."""

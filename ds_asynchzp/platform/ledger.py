@@ -405,20 +405,26 @@ class CommLedger:
         with self._lock:
             return list(self.records[mark:until])
 
-    def summary(self, mark: int = 0, until: Optional[int] = None, skip_tags: tuple = ()) -> dict:
+    def summary(self, mark: int = 0, until: Optional[int] = None, skip_tags: tuple = (),
+                training_thread_only: bool = False) -> dict:
         """Ring-model wire bytes intra/inter node and per op kind, predicted node-link bytes (`link_bytes`) and
         time in collectives (`seconds`) of the records in [mark, until), leaving out those tagged with one of
-        `skip_tags` (inspections a caller made in the middle of a measurement)."""
+        `skip_tags` (inspections a caller made in the middle of a measurement); with `training_thread_only`, only
+        the training (main) thread's collectives, barriers left out (what a script itself issues between two
+        steps, without a communication thread's late work of the step before)."""
         out = {"intra_node": 0.0, "inter_node": 0.0, "calls": 0, "link_bytes": 0.0, "seconds": 0.0, "by_op": {},
                "by_family": {}, "by_flow": {}, "host_device": {"to_host": 0, "to_device": 0},
                "crossing_messages": {"ring": {}, "pairwise": {}}, "by_model": {}}
         with self._lock:
             copies = list(self.host_copies)
-        for position, direction, nbytes in copies:
+        for position, direction, nbytes in copies if not training_thread_only else ():
             if position >= mark and (until is None or position < until):
                 out["host_device"][direction] += nbytes
+        main = threading.main_thread().name
         for record in self.since(mark, until):
             if record.tag in skip_tags:
+                continue
+            if training_thread_only and (record.thread != main or record.op == "barrier"):
                 continue
             where = "inter_node" if record.inter_node else "intra_node"
             out[where] += record.wire_bytes
@@ -497,11 +503,12 @@ def mark() -> int:
     return _LEDGER.mark() if _LEDGER else 0
 
 
-def summary(mark: int = 0, until: Optional[int] = None, skip_tags: tuple = ()) -> dict:
+def summary(mark: int = 0, until: Optional[int] = None, skip_tags: tuple = (),
+            training_thread_only: bool = False) -> dict:
     if _LEDGER is None:
         raise RuntimeError("the communication ledger is not installed: call ds_asynchzp.ledger.install() "
                            "after deepspeed.init_distributed()")
-    return _LEDGER.summary(mark, until, skip_tags)
+    return _LEDGER.summary(mark, until, skip_tags, training_thread_only)
 
 
 def note_wait(start: float, end: float, what: str) -> None:
