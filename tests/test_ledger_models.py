@@ -44,3 +44,22 @@ def test_only_the_labelling_threads_collectives_count_for_the_model():
     # its own node, so it puts nothing on a link.
     assert by_model["reference"]["inter_node"] == 2 * 0.75 * 4000 and by_model["reference"]["link_bytes"] == 0
     assert ledger.summary()["calls"] == 6
+
+
+def test_the_training_threads_own_collectives_between_steps():
+    """What a step record adds from between two steps: the training thread's collectives, not a communication
+    thread's (a late refresh of the step before), and no barriers."""
+    ledger = CommLedger(node_size=2)
+    ledger._backend = _World()
+    mark = ledger.mark()
+    _gather(ledger, 100)
+    late = threading.Thread(target=_gather, args=(ledger, 1000))
+    late.start()
+    late.join()
+    ledger._record("barrier", "barrier", None, {"group": None})
+    for record in ledger.records:
+        record.thread = record.thread or threading.current_thread().name
+    ledger.records[1].thread = late.name
+    own = ledger.summary(mark, training_thread_only=True)
+    assert own["calls"] == 1 and own["inter_node"] == 0.75 * 400
+    assert ledger.summary(mark)["calls"] == 3
