@@ -47,7 +47,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .formulas import sizing
-from .config_compat import autoep_size, compat_issues, expert_issues, offloads_optimizer
+from .config_compat import autoep_size, compat_issues, expert_issues, offloads_optimizer, reference_copy_refusal
 from .errors import AsyncHZPConfigError, ConfigIssue
 from .resolved_layout import (DEEPSPEED_DEFAULT_TIMEOUT_S, DEFAULT_PREFETCH_DEPTH, LayoutSizes, QuantizationSettings,
                               ResolvedLayout, Scheduling)
@@ -561,7 +561,8 @@ def resolve_layout(
             grad_accum_steps=_grad_accum_steps(ds_config, world // sequence_parallel_size),
             intra_bw_bytes_s=section.intra_node_bandwidth_gbps * 1e9 / 8,
             inter_bw_bytes_s=section.inter_node_bandwidth_gbps * 1e9 / 8, fixed=fixed,
-            nics_per_node=nics, reference_models=section.reference_models, **offload)
+            nics_per_node=nics, reference_models=section.reference_models,
+            reference_copies=reference_copy_refusal(ds_config, sequence_parallel_size) is None, **offload)
         d_p, d_g, d_o = chosen
     else:
         d_p, d_g, d_o = (fixed[k] for k in sizing.SIZE_KEYS)
@@ -585,4 +586,5 @@ def resolve_layout(
                              error_feedback=section.error_feedback),
         has_optimizer=bool(ds_config.get("optimizer")) or has_client_optimizer,
         sequence_parallel_size=sequence_parallel_size, log_layout=section.log_layout, auto_reason=reason,
-        reference_models=section.reference_models)
+        reference_models=section.reference_models,
+        reference_copy_refusal=reference_copy_refusal(ds_config, sequence_parallel_size))

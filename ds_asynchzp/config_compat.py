@@ -152,6 +152,24 @@ def _offload_issues(zero: dict) -> list[ConfigIssue]:
     return issues
 
 
+def reference_copy_refusal(ds_config: dict, sequence_parallel_size: int = 1) -> str | None:
+    """Why an engine without an optimizer (a reference model) keeps stock's partitioning over the world instead of
+    getting hpZ's copy over d_p, from the ds_config alone (the runtime adds what only the model tells: d_p, and how
+    zero.Init partitioned it); None where the copy applies. The formulas count such engines as stock's."""
+    zero = ds_config.get("zero_optimization") or {}
+    if sequence_parallel_size > 1:
+        return "hpZ's secondary partition is not part of DeepSpeed's Ulysses sequence-parallel path"
+    if autoep_size(ds_config) is not None:
+        return "DeepSpeed 0.19.8's AutoEP refuses hpZ's secondary partition"
+    if zero.get("zero_quantized_weights") or zero.get("zero_quantized_nontrainable_weights"):
+        return ("ZeRO++'s quantized weights would quantize the copy's blocks, not the world partitions' as stock "
+                "does, and forwards would differ from stock's")
+    if zero.get("use_all_reduce_for_fetch_params"):
+        return ("use_all_reduce_for_fetch_params gathers by all-reduce, which turns -0.0 into +0.0, where the copy's "
+                "gather keeps it: forwards would differ from stock's in the sign of zeros")
+    return None
+
+
 def autoep_size(ds_config: dict) -> int | None:
     """AutoEP's expert-parallel size when the ds_config enables AutoEP (DeepSpeed's default is 1), else None."""
     section = ds_config.get("expert_parallel")

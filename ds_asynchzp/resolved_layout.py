@@ -111,8 +111,10 @@ class ResolvedLayout:
     sequence_parallel_size: int = 1
     log_layout: bool = True
     auto_reason: Optional[str] = None
-    # async_hzp.reference_models: models without an optimizer that "auto" counted (memory and forwards).
+    # async_hzp.reference_models: models without an optimizer that "auto" counted (memory and forwards), and why
+    # the config keeps their engines stock's (`config_compat.reference_copy_refusal`; None: they get hpZ's copy).
     reference_models: int = 0
+    reference_copy_refusal: Optional[str] = None
 
     def grid(self) -> HierarchicalLayout:
         return self.sizes.grid()
@@ -164,11 +166,11 @@ class ResolvedLayout:
     def _references_text(self) -> str:
         if not self.reference_models:
             return ""
-        return (f"; {self.reference_models} reference model(s) counted (async_hzp.reference_models): each "
-                "partitioned over the world with hpZ's copy over d_p" if
-                1 < self.sizes.param_shard_size < self.sizes.world_size else
-                f"; {self.reference_models} reference model(s) counted (async_hzp.reference_models): each "
-                "partitioned over the world, as stock (d_p is 1 or the world)")
+        s = self.sizes
+        where = ("each partitioned over the world with hpZ's copy over d_p"
+                 if self.reference_copy_refusal is None and 1 < s.param_shard_size < s.world_size else
+                 "each partitioned over the world, as stock: " + (self.reference_copy_refusal or "d_p is 1 or the world"))
+        return f"; {self.reference_models} reference model(s) counted (async_hzp.reference_models): {where}"
 
 
 def _replicas(n: int) -> str:

@@ -493,7 +493,7 @@ def test_auto_reads_dtypes_steps_and_bandwidths_from_the_ds_config(monkeypatch):
     assert seen == {"param_bytes": 2, "grad_accum_bytes": 4, "grad_comm_bytes": 4, "grad_accum_steps": 3,
                     "intra_bw_bytes_s": 200e9, "inter_bw_bytes_s": 50e9, "budget": 50 * GIB,
                     "fixed": {"grad_shard_size": 4, "optimizer_shard_size": 8}, "nics_per_node": 4,
-                    "reference_models": 0}
+                    "reference_models": 0, "reference_copies": True}
     # Defaults: the model dtype everywhere (fp32 here), one micro-step, 800 / 200 Gbit/s.
     seen.clear()
     resolve_layout(make({"param_shard_size": "auto", "memory_budget_gb": 50}), 8, 4, num_parameters=PSI)

@@ -63,3 +63,45 @@ def test_the_training_threads_own_collectives_between_steps():
     own = ledger.summary(mark, training_thread_only=True)
     assert own["calls"] == 1 and own["inter_node"] == 0.75 * 400
     assert ledger.summary(mark)["calls"] == 3
+
+
+class _Engine:
+    """Enough of an engine for an observer: forward gathers once, or raises."""
+
+    def __init__(self, ledger: CommLedger):
+        self.ledger, self.fail = ledger, False
+
+    def forward(self):
+        _gather(self.ledger, 100)
+        if self.fail:
+            raise RuntimeError("planted")
+
+    def backward(self, loss):
+        pass
+
+    def step(self):
+        pass
+
+
+def test_a_reference_forward_is_labelled_in_the_forward_phase_and_a_failed_one_ends_its_label(monkeypatch):
+    from ds_asynchzp.formulas import flows
+    from ds_asynchzp.measure.recording import ReferenceLabel
+    from ds_asynchzp.platform import ledger as ledger_module
+
+    ledger = CommLedger(node_size=2)
+    ledger._backend = _World()
+    monkeypatch.setattr(ledger_module, "_LEDGER", ledger)
+    engine = _Engine(ledger)
+    ReferenceLabel(engine)
+    ledger.set_phase("backward")
+    engine.forward()
+    assert ledger.phase == "backward", "the phase before the reference's forward is restored"
+    engine.fail = True
+    try:
+        engine.forward()
+    except RuntimeError:
+        pass
+    _gather(ledger, 100)                    # the trained model's, after the failed reference forward
+    summary = ledger.summary()
+    assert summary["by_model"]["reference"]["calls"] == 2 and summary["calls"] == 3
+    assert summary["by_flow"][flows.FORWARD_GATHER]["calls"] == 2

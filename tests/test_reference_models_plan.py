@@ -25,7 +25,11 @@ def test_reference_memory_is_the_world_partition_plus_the_copy_over_d_p():
         1600, 16, 4, 4, 16, offload_optimizer=False)["device"]["total"] + 1000
     stock = sizing.stock_placement_bytes_per_rank(1600, 16, offload_optimizer=False, secondary_size=4,
                                                   reference_models=1)["device"]
-    assert stock["reference_params"] == 200 and stock["param_secondary"] == 2 * 800
+    assert stock["reference_params"] == 200 + 800 and stock["param_secondary"] == 800
+    # hpZ makes its secondary also where the node is the world; AsyncHZP's engine stays stock's there.
+    assert sizing.stock_reference_bytes_per_rank(1600, 4, 1, 2, secondary_size=4) == 800 + 800
+    # Where the config keeps stock's engine (sequence parallelism, AutoEP, ...), no copy is counted.
+    assert sizing.reference_bytes_per_rank(1600, 16, 4, 1, 2, copies=False) == 200
 
 
 def test_reference_gathers_stay_in_the_node_unless_d_p_is_one():
@@ -85,3 +89,38 @@ def test_the_planner_counts_them_in_every_arm(capsys):
     assert refs["arms"]["asynchzp"]["bytes_per_step"]["by_flow"]["reference_gather"]["inter_node"] == 0
     assert cli.main(["--params", "8B", "--world", "16", "--node-size", "8", "--reference-models", "1"]) == 0
     assert "1 reference model(s) of the same size" in capsys.readouterr().out
+
+
+def test_where_the_config_keeps_stocks_engine_nothing_is_counted_as_a_copy():
+    """Under sequence parallelism (and AutoEP, quantized weights, all-reduce fetches) the reference engine stays
+    stock's, as `runtime/api.py` builds it: the formulas, "auto" and the layout line say the same."""
+    t = arm_formulas.traffic_inputs(10**6, 16, 4, 3, "bf16", multiple=16, reference_models=1, reference_copies=False)
+    assert traffic.asynchzp_flows(t, 4, 4, 16)["reference_gather"]["inter_node"] == pytest.approx(
+        3 * 2 * t.gathered_elements * 15 / 16)
+    sp = resolve_layout(_config(reference_models=1, param_shard_size=2, optimizer_shard_size=16), 16, 8,
+                        has_client_optimizer=True, sequence_parallel_size=2)
+    assert "as stock: hpZ's secondary partition is not part of DeepSpeed's Ulysses" in sp.describe()
+    fetch = _config(reference_models=1, param_shard_size=2, optimizer_shard_size=16)
+    fetch["zero_optimization"]["use_all_reduce_for_fetch_params"] = True
+    assert "use_all_reduce_for_fetch_params" in resolve_layout(fetch, 16, 8, has_client_optimizer=True).describe()
+
+
+def test_a_reference_engine_whose_auto_chose_another_d_p_is_warned_of(monkeypatch):
+    from ds_asynchzp.resolved_layout import LayoutSizes, ResolvedLayout
+    from ds_asynchzp.runtime import api
+
+    monkeypatch.setattr(api, "_FIRST_D_P", {})
+    monkeypatch.setattr(api, "_SAID", set())
+
+    def layout(d_p: int, trained: bool) -> ResolvedLayout:
+        return ResolvedLayout(LayoutSizes(16, 8, d_p, 8, 16), has_optimizer=trained, auto_reason="auto chose it")
+
+    api._warn_if_auto_differs(layout(4, False))       # TRL builds the reference's engine first
+    with pytest.warns(RuntimeWarning, match="d_p=1 for the trained model and d_p=4"):
+        api._warn_if_auto_differs(layout(1, True))
+    monkeypatch.setattr(api, "_FIRST_D_P", {})
+    api._warn_if_auto_differs(layout(2, True))
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        api._warn_if_auto_differs(layout(2, False))   # the same d_p: nothing to say

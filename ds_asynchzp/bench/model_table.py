@@ -35,4 +35,6 @@ def format_model_table(arms: dict) -> list[str]:
             "an optimizer (a reference model), counted by the ledger (ring model: what a rank sends; inter when the "
             "group spans nodes; node-link: what gloo's rings put on the links between nodes). Link counters cannot "
             "tell models apart, and under stock ZeRO-3 neither can process groups (both models gather over the "
-            "world), so the ledger labels them by the engine whose forward issued them.", ""]
+            "world), so the ledger labels them by the engine whose forward issued them. A step holds what its "
+            "training thread issued since the step before ended; the first step only what came after its first "
+            "forward (a reference forward run before it, as GRPO runs one, is in no step).", ""]

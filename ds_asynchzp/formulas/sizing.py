@@ -149,19 +149,32 @@ def _with_total(parts: dict[str, int]) -> dict[str, int]:
 
 
 def reference_bytes_per_rank(num_params: int, world: int, d_p: int, reference_models: int,
-                             param_bytes: int = 2) -> int:
-    """Device bytes per rank of ``reference_models`` models of ``num_params`` elements without an optimizer:
-    ``R·b·Ψ(1/N + 1/d_r)`` with their copy over ``d_r = d_p`` (1 < d_p < N), else ``R·b·Ψ/N`` (stock's engine)."""
+                             param_bytes: int = 2, copies: bool = True) -> int:
+    """Device bytes per rank of ``reference_models`` models of ``num_params`` elements without an optimizer under
+    AsyncHZP: ``R·b·Ψ(1/N + 1/d_r)`` with their copy over ``d_r = d_p`` (1 < d_p < N, and ``copies``: the config
+    allows it, `config_compat.reference_copy_refusal`), else ``R·b·Ψ/N`` (stock's engine)."""
     if reference_models < 0:
         raise ValueError(f"reference_models must be >= 0, got {reference_models}")
     per_model = _ceil_div(param_bytes * int(num_params), world)
-    if traffic.reference_group_size(world, d_p) < world:
-        per_model += _ceil_div(param_bytes * int(num_params), d_p)
+    d_r = traffic.reference_group_size(world, d_p, copies)
+    if d_r < world:
+        per_model += _ceil_div(param_bytes * int(num_params), d_r)
+    return reference_models * per_model
+
+
+def stock_reference_bytes_per_rank(num_params: int, world: int, reference_models: int, param_bytes: int = 2,
+                                   secondary_size: int | None = None) -> int:
+    """The same under stock ZeRO-3: ``R·b·Ψ/N``, plus hpZ's secondary ``R·b·Ψ/G`` with ``secondary_size`` G > 1
+    (DeepSpeed builds it for every model zero.Init converts, also where G is the world)."""
+    per_model = _ceil_div(param_bytes * int(num_params), world)
+    if secondary_size is not None and secondary_size > 1:
+        per_model += _ceil_div(param_bytes * int(num_params), secondary_size)
     return reference_models * per_model
 
 
 def placement_bytes_per_rank(num_params: int, world: int, d_p: int, d_g: int, d_o: int, *, offload_optimizer: bool,
-                             reference_models: int = 0, **sizes) -> dict[str, dict[str, int]]:
+                             reference_models: int = 0, reference_copies: bool = True,
+                             **sizes) -> dict[str, dict[str, int]]:
     """Where an AsyncHZP rank's model states live: ``{"device": parts, "host": parts}``, each with a ``total``.
 
     Without offload everything is on the device (:func:`model_state_bytes_per_rank`; the host part is empty).
@@ -174,7 +187,7 @@ def placement_bytes_per_rank(num_params: int, world: int, d_p: int, d_g: int, d_
     del parts["total"]
     if reference_models:
         parts["reference_params"] = reference_bytes_per_rank(num_params, world, d_p, reference_models,
-                                                              sizes.get("param_bytes", 2))
+                                                              sizes.get("param_bytes", 2), reference_copies)
     if not offload_optimizer:
         return {"device": _with_total(parts), "host": _with_total({})}
     trainable = num_params if sizes.get("num_trainable") is None else sizes["num_trainable"]
@@ -195,7 +208,7 @@ def stock_placement_bytes_per_rank(num_params: int, world: int, *, offload_optim
     (``grad_shard``), beside ``master``, ``optimizer_state`` and ``fp32_grad``. ``sizes`` as for
     :func:`placement_bytes_per_rank`."""
     placed = placement_bytes_per_rank(num_params, world, world, world, world, offload_optimizer=offload_optimizer,
-                                      reference_models=reference_models, **sizes)
+                                      **sizes)
     device = {k: v for k, v in placed["device"].items() if k != "total"}
     host = {k: v for k, v in placed["host"].items() if k != "total"}
     if offload_optimizer:
@@ -203,8 +216,10 @@ def stock_placement_bytes_per_rank(num_params: int, world: int, *, offload_optim
     if secondary_size is not None:
         if secondary_size < 1:
             raise ValueError(f"secondary_size must be >= 1, got {secondary_size}")
-        device["param_secondary"] = (1 + reference_models) * _ceil_div(sizes.get("param_bytes", 2) * int(num_params),
-                                                                       secondary_size)
+        device["param_secondary"] = _ceil_div(sizes.get("param_bytes", 2) * int(num_params), secondary_size)
+    if reference_models:
+        device["reference_params"] = stock_reference_bytes_per_rank(num_params, world, reference_models,
+                                                                    sizes.get("param_bytes", 2), secondary_size)
     return {"device": _with_total(device), "host": _with_total(host)}
 
 
@@ -265,7 +280,8 @@ def comm_seconds_per_step(num_params: int, world: int, node_size: int, d_p: int,
                           param_bytes: int, grad_comm_bytes: int, grad_accum_steps: int,
                           intra_bw_bytes_s: float, inter_bw_bytes_s: float, offload_optimizer: bool = False,
                           host_device_bw_bytes_s: float = HOST_DEVICE_BW_BYTES_S,
-                          nics_per_node: int | None = None, reference_models: int = 0) -> tuple[float, dict]:
+                          nics_per_node: int | None = None, reference_models: int = 0,
+                          reference_copies: bool = True) -> tuple[float, dict]:
     """Estimated communication seconds per optimizer step of one layout, and the bytes behind it: every element
     gathered, reduced and trained (P_g = P_r = P_t = Ψ), on NCCL's rings over nodes of ``node_size`` ranks with
     ``nics_per_node`` NICs each (default one per rank), from `formulas.links`: each collective takes the time of
@@ -279,7 +295,7 @@ def comm_seconds_per_step(num_params: int, world: int, node_size: int, d_p: int,
     t = traffic.TrafficInputs(world=world, node_size=node_size, grad_accum=grad_accum_steps,
                               gathered_elements=num_params, reduced_elements=num_params,
                               trainable_elements=num_params, param_bytes=param_bytes, grad_comm_bytes=grad_comm_bytes,
-                              reference_models=reference_models)
+                              reference_models=reference_models, reference_copies=reference_copies)
     collectives = step_collectives.asynchzp(t, d_p, d_g, d_o)
     topology = links.Topology(world, node_size, nics_per_node)
     load, times = links.load_and_seconds(collectives, topology, inter_bw_bytes_s, intra_bw_bytes_s)
@@ -319,7 +335,8 @@ def _name(layout: tuple[int, int, int]) -> str:
 
 def smallest_memory_layout(num_params: int, world: int, node_size: int, *, param_bytes: int = 2,
                            grad_accum_bytes: int = 2, fixed: dict | None = None,
-                           offload_optimizer: bool = False, reference_models: int = 0) -> tuple[int, int, int, int]:
+                           offload_optimizer: bool = False, reference_models: int = 0,
+                           reference_copies: bool = True) -> tuple[int, int, int, int]:
     """``(d_p, d_g, d_o, bytes)`` of the valid layout agreeing with ``fixed`` whose device bytes
     (:func:`placement_bytes_per_rank`; all model states without offload) are smallest (ties: the smaller host
     bytes, then the smaller sizes); what "auto" would need at least. ValueError if ``fixed`` allows none."""
@@ -329,7 +346,7 @@ def smallest_memory_layout(num_params: int, world: int, node_size: int, *, param
         if all(fixed.get(k, v) == v for k, v in zip(SIZE_KEYS, lay)):
             placed = placement_bytes_per_rank(num_params, world, *lay, offload_optimizer=offload_optimizer,
                                               param_bytes=param_bytes, grad_accum_bytes=grad_accum_bytes,
-                                              reference_models=reference_models)
+                                              reference_models=reference_models, reference_copies=reference_copies)
             key = (placed["device"]["total"], placed["host"]["total"], lay)
             if best is None or key < best:
                 best = key
@@ -354,6 +371,7 @@ def choose_layout(
     offload_optimizer: bool = False,
     nics_per_node: int | None = None,
     reference_models: int = 0,
+    reference_copies: bool = True,
 ) -> tuple[int, int, int, str]:
     """The ``"auto"`` rule: returns ``(d_p, d_g, d_o, reason)``.
 
@@ -374,7 +392,8 @@ def choose_layout(
 
     ``reference_models`` (``async_hzp.reference_models``) counts that many models of ``num_params`` elements
     without an optimizer: their device bytes (:func:`reference_bytes_per_rank`) join the budget, their forwards'
-    gathers the seconds; the reason then names them.
+    gathers the seconds; the reason then names them. ``reference_copies`` False: their engines stay stock's
+    (`config_compat.reference_copy_refusal`), partitioned and gathered over the world.
 
     If no candidate fits, raises AsyncHZPConfigError naming ``async_hzp.memory_budget_gb`` with the bytes the
     smallest-memory candidate needs: silently picking a layout that will run out of memory only moves the
@@ -411,7 +430,7 @@ def choose_layout(
     def placed(lay: tuple[int, int, int]) -> dict:
         return placement_bytes_per_rank(num_params, world, *lay, offload_optimizer=offload_optimizer,
                                         param_bytes=param_bytes, grad_accum_bytes=grad_accum_bytes,
-                                        reference_models=reference_models)
+                                        reference_models=reference_models, reference_copies=reference_copies)
 
     # (layout, device bytes, host bytes); without offload the host holds no model state and the device all.
     fitting = [(lay, p["device"]["total"], p["host"]["total"]) for lay, p in ((lay, placed(lay)) for lay in candidates)]
@@ -422,7 +441,8 @@ def choose_layout(
     if not fitting:
         *lay, needed = smallest_memory_layout(num_params, world, node_size, param_bytes=param_bytes,
                                               grad_accum_bytes=grad_accum_bytes, fixed=fixed,
-                                              offload_optimizer=offload_optimizer, reference_models=reference_models)
+                                              offload_optimizer=offload_optimizer, reference_models=reference_models,
+                                              reference_copies=reference_copies)
         lay = tuple(lay)
         needed_gb = math.ceil(needed / BYTES_PER_GB * 100) / 100  # rounded up, so the suggestion really fits
         raise AsyncHZPConfigError(
@@ -439,7 +459,7 @@ def choose_layout(
                                      grad_comm_bytes=grad_comm_bytes, grad_accum_steps=grad_accum_steps,
                                      intra_bw_bytes_s=intra_bw_bytes_s, inter_bw_bytes_s=inter_bw_bytes_s,
                                      offload_optimizer=offload_optimizer, nics_per_node=nics_per_node,
-                                     reference_models=reference_models)
+                                     reference_models=reference_models, reference_copies=reference_copies)
 
     estimates = {lay: estimate(lay) for lay, _, _ in fitting}   # each layout's links placed once
 

@@ -12,7 +12,7 @@ summing (k-1)/k * S per member over these records gives those formulas' bytes (a
              reduced elements qgZ cannot split reduce-scattered over the world in b_c
     reference each reference model's forward (R of them): an all-gather of b*P_g, A times, over the world for
              zero3, inside each node for hpz and zeropp (hpZ's secondary, in the arm's weight bytes), over d_r
-             for asynchzp (`traffic.reference_group_size`)
+             for asynchzp (`traffic.reference_group_size`: the world where the config keeps stock's engine)
     asynchzp one record per flow of `traffic.FLOWS` over the layout's groups; a quantized flow moves its wire
              format's bytes, a quantized reduction as an all-to-all, a quantized all-reduce as an all-to-all plus
              an all-gather (both of the quantized slice)
@@ -48,8 +48,8 @@ def _rails(n: int, g: int) -> tuple:
 
 
 @lru_cache(maxsize=4096)
-def _flow_groups(flow: str, n: int, d_p: int, d_g: int, d_o: int) -> tuple:
-    return tuple(tuple(grp) for grp in traffic.flow_groups(flow, n, d_p, d_g, d_o))
+def _flow_groups(flow: str, n: int, d_p: int, d_g: int, d_o: int, reference_copies: bool = True) -> tuple:
+    return tuple(tuple(grp) for grp in traffic.flow_groups(flow, n, d_p, d_g, d_o, reference_copies))
 
 
 def _reference(t: traffic.TrafficInputs, groups: tuple, weight_bytes: float) -> list:
@@ -97,7 +97,7 @@ def asynchzp(t: traffic.TrafficInputs, d_p: int, d_g: int, d_o: int | None = Non
     b, b_c, p_t = t.param_bytes, t.grad_comm_bytes, t.trainable_elements
 
     def groups(flow: str) -> tuple:
-        return _flow_groups(flow, n, d_p, d_g, d_o)
+        return _flow_groups(flow, n, d_p, d_g, d_o, t.reference_copies)
 
     def wire(flow: str, plain: float) -> tuple:
         fmt = quantization.format_of(flow)

@@ -32,7 +32,8 @@ AsyncHZP, one figure per flow (`asynchzp_flows`); no point-to-point permutation 
     persistent_regather   b * P_persist * (d_p-1)/d_p            d_p consecutive ranks, once per step
     reference_gather      A * R * b * P_g * (d_r-1)/d_r          d_r consecutive ranks, every micro-step
 A reference model's engine keeps its world partition and gets hpZ's copy over d_r = d_p inside the node
-(`runtime/api.py`), where 1 < d_p < N; otherwise it is stock's and d_r = N. Its gathers are counted from the
+(`runtime/api.py`), where 1 < d_p < N and the config allows it (not under sequence parallelism, AutoEP, ZeRO++'s
+quantized weights or all-reduce fetches: `TrafficInputs.reference_copies`); otherwise it is stock's and d_r = N. Its gathers are counted from the
 second optimizer step on: the first forward of a model that zero.Init did not build still reads the world.
 Quantized flows (`ds_asynchzp.quantization.QuantizationPlan`) use the same formulas with the element bytes of
 their wire format, q = bits/8 + 4/block (values plus one fp32 scale per block) instead of b or b_c: a quantized
@@ -91,6 +92,9 @@ class TrafficInputs:
     persistent_elements: int = 0  # P_persist: parameters kept gathered (ZeRO-3 persistence threshold), re-gathered once per step
     qgz_elements: int | None = None  # part of P_r stock ZeRO++'s qgZ all-to-all takes (2-D, a multiple of 2N); None: all
     reference_models: int = 0    # R: forward-only models of P_g elements each, one forward per micro-step
+    # Whether AsyncHZP gives their engines hpZ's copy over d_p (False where the config keeps stock's engine:
+    # `config_compat.reference_copy_refusal`, e.g. sequence parallelism or AutoEP).
+    reference_copies: bool = True
 
 
 #: The AsyncHZP flows, in the order of a step.
@@ -120,10 +124,11 @@ def _ring(n: int) -> float:
     return (n - 1) / n
 
 
-def reference_group_size(world: int, param_shard_size: int) -> int:
+def reference_group_size(world: int, param_shard_size: int, copies: bool = True) -> int:
     """d_r: the ranks a reference model's forward gathers over under AsyncHZP: d_p where its engine gets hpZ's
-    copy over d_p (1 < d_p < world, `runtime/api.py`), else the world (stock's engine)."""
-    return param_shard_size if 1 < param_shard_size < world else world
+    copy over d_p (1 < d_p < world and the config allows the copy, `runtime/api.py`), else the world (stock's
+    engine)."""
+    return param_shard_size if copies and 1 < param_shard_size < world else world
 
 
 def zero3_bytes(t: TrafficInputs) -> dict:
@@ -150,15 +155,16 @@ def _check_layout(n: int, g: int, d_p: int, d_g: int, d_o: int) -> None:
     HierarchicalLayout(n, g, d_p, d_g, d_o)  # raises ValueError naming the sizes
 
 
-def flow_groups(flow: str, n: int, d_p: int, d_g: int, d_o: int) -> list[list[int]]:
+def flow_groups(flow: str, n: int, d_p: int, d_g: int, d_o: int, reference_copies: bool = True) -> list[list[int]]:
     """Every group of one flow (lists of ranks in ascending order, from `ds_asynchzp.layout`)."""
+    reference_copies_group = reference_group_size(n, d_p, reference_copies)
     layout = HierarchicalLayout(n, 1, d_p, d_g, d_o)  # the groups do not depend on the node size
     groups = {
         "param_gather": layout.param_shard_groups, "persistent_regather": layout.param_shard_groups,
         "grad_reduce_scatter": layout.grad_shard_groups, "boundary_allreduce": layout.outer_replica_groups,
         "boundary_grad": layout.grad_boundary_groups, "param_refresh": layout.param_refresh_groups,
         # d_r consecutive ranks: the parameter shard groups of a layout whose d_p is d_r.
-        "reference_gather": lambda: HierarchicalLayout(n, 1, *(reference_group_size(n, d_p),) * 2, n).param_shard_groups(),
+        "reference_gather": lambda: HierarchicalLayout(n, 1, *(reference_copies_group,) * 2, n).param_shard_groups(),
     }
     if flow not in groups:
         raise ValueError(f"unknown flow {flow!r}; known: {', '.join(FLOWS)}")
@@ -166,9 +172,9 @@ def flow_groups(flow: str, n: int, d_p: int, d_g: int, d_o: int) -> list[list[in
 
 
 @lru_cache(maxsize=4096)
-def _inter_share(flow: str, n: int, g: int, d_p: int, d_g: int, d_o: int) -> float:
+def _inter_share(flow: str, n: int, g: int, d_p: int, d_g: int, d_o: int, reference_copies: bool = True) -> float:
     """Share of ranks whose group of this flow spans more than one node (groups are sorted and equal-sized)."""
-    groups = flow_groups(flow, n, d_p, d_g, d_o)
+    groups = flow_groups(flow, n, d_p, d_g, d_o, reference_copies)
     return sum(1 for grp in groups if grp[0] // g != grp[-1] // g) / len(groups)
 
 
@@ -199,11 +205,12 @@ def asynchzp_flows(t: TrafficInputs, param_shard_size: int, grad_shard_size: int
         "boundary_allreduce": 2 * element_bytes("boundary_allreduce", b_c) * p_t / d_o * _ring(r_o),
         "param_refresh": element_bytes("param_refresh", b) * p_t / d_p * _ring(t_p),
         "persistent_regather": b * t.persistent_elements * _ring(d_p),
-        "reference_gather": a * t.reference_models * b * t.gathered_elements * _ring(reference_group_size(n, d_p)),
+        "reference_gather": a * t.reference_models * b * t.gathered_elements
+                            * _ring(reference_group_size(n, d_p, t.reference_copies)),
     }
     out = {}
     for name in FLOWS:
-        share = _inter_share(name, n, g, d_p, d_g, d_o) if bytes_[name] else 0.0
+        share = _inter_share(name, n, g, d_p, d_g, d_o, t.reference_copies) if bytes_[name] else 0.0
         out[name] = {"intra_node": bytes_[name] * (1 - share), "inter_node": bytes_[name] * share}
     return out
 

@@ -255,22 +255,34 @@ def end_script(arm: str, grace_s: float = EXIT_GRACE_S) -> None:
 class ReferenceLabel:
     """Watches an engine without an optimizer (a reference model, a teacher): the collectives its forwards issue on
     the training thread carry the ledger's model label ``"reference"`` (`platform.ledger.model_scope`), so the
-    record splits them out (``by_model``) where node links and, under stock ZeRO-3, process groups cannot."""
+    record splits them out (``by_model``) where node links and, under stock ZeRO-3, process groups cannot; and they
+    count in the forward phase (`formulas.flows`), the phase before restored after. A forward that raises ends
+    its label as one that returns does."""
 
     LABEL = "reference"
 
     def __init__(self, engine):
-        self._scopes: list = []
+        self._open = threading.local()   # per thread: the scopes entered and the phases to restore
         watch_engine(engine, self)
 
     def forward_begun(self, engine) -> None:
+        comm_ledger = ledger.get()
         scope = ledger.model_scope(self.LABEL)
         scope.__enter__()
-        self._scopes.append(scope)
+        stack = getattr(self._open, "stack", None)
+        if stack is None:
+            stack = self._open.stack = []
+        stack.append((scope, comm_ledger.phase if comm_ledger is not None else ""))
+        ledger.set_phase("forward")
 
     def forward_ended(self, engine) -> None:
-        if self._scopes:
-            self._scopes.pop().__exit__(None, None, None)
+        stack = getattr(self._open, "stack", None)
+        if stack:
+            scope, phase = stack.pop()
+            ledger.set_phase(phase)
+            scope.__exit__(None, None, None)
+
+    forward_failed = forward_ended
 
 
 class ArmRecorder:

@@ -218,9 +218,10 @@ class StepRecorder:
     def _start_steady_total(self) -> None:
         """Bytes are totalled over the steady steps as a whole: a parameter refresh submitted at the end of a step
         crosses the link during the next one, so per-step windows split it by timing. The total starts at a quiet
-        point outside any timed step, the end of the last warm-up step (or before the first step, without warm-up),
-        so that it also holds what the script issues between steps (GRPO generates and runs its reference model
-        before the policy's first forward), and ends at one (in `finish`)."""
+        point outside any timed step, the end of the last warm-up step, so that it also holds what the script issues
+        between steps (GRPO generates and runs its reference model before the policy's first forward), and ends at
+        one (in `finish`). Without warm-up steps it starts at the first step's first forward, after whatever the
+        script issued before it."""
         if self._quiesce is not None:
             self._quiesce()
         self._align()
@@ -232,8 +233,8 @@ class StepRecorder:
             self._start_steady_total()
         self._align()
         mark = ledger.mark()
-        # What the script issued on the training thread since the last step ended belongs to this step's figures;
-        # a communication thread's late work of the step before does not.
+        # What the script issued on the training thread since the last step ended (a communication thread's late
+        # work of the step before left out), recorded apart in the step's figures.
         self._between = (ledger.summary(self._after_step, mark, training_thread_only=True)
                          if self._after_step is not None else None)
         tx = _read_int(self.link_counter) if self.link_counter else None
@@ -252,8 +253,7 @@ class StepRecorder:
         end = time.perf_counter()
         cpu_elapsed = time.process_time() - cpu_start
         comm = ledger.summary(mark)
-        if self._between is not None:
-            comm = _added(comm, self._between)
+        between = self._between or {}
         comm_ledger = ledger.get()
         if self.index == self.timeline_step:
             self.timeline = _timeline(comm_ledger, mark, start, end)
@@ -276,7 +276,12 @@ class StepRecorder:
                       for op, v in comm["by_op"].items()},
             "by_family": {name: {"intra_node": v["intra_node"], "inter_node": v["inter_node"]}
                           for name, v in comm["by_family"].items()},
-            "by_model": _by_model(comm),
+            # Labelled models' bytes (a reference model's forwards), from the end of the step before: GRPO runs its
+            # reference model before the policy's first forward.
+            "by_model": _by_model(_added(_added({}, comm), between)),
+            # What the script issued on the training thread between the step before and this one's first forward
+            # (the figures above count from that forward, as the times do).
+            "between_steps": {key: between.get(key, 0) for key in ("intra_node", "inter_node", "calls")},
         })
         self._after_step = ledger.mark()
         if self.index == self.steady_from:

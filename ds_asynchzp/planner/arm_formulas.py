@@ -133,7 +133,8 @@ def arm_collectives(arm: str, t: traffic.TrafficInputs, d_p: int, d_g: int, d_o:
 
 
 def arm_memory(arm: str, num_params: int, world: int, node_size: int, d_p: int, d_g: int, param_bytes: int,
-               d_o: int | None = None, grad_accum_bytes: int | None = None, reference_models: int = 0) -> dict:
+               d_o: int | None = None, grad_accum_bytes: int | None = None, reference_models: int = 0,
+               reference_copies: bool = True) -> dict:
     """Model-state bytes per rank, from :func:`ds_asynchzp.formulas.sizing.model_state_bytes_per_rank`.
 
     Stock ZeRO-3 is the layout ``d_p = d_g = d_o = world`` (its partitions are the ``param_shard`` and
@@ -152,8 +153,8 @@ def arm_memory(arm: str, num_params: int, world: int, node_size: int, d_p: int, 
             parts["param_secondary"] = sizing.model_state_bytes_per_rank(
                 num_params, world, node_size, world, world, param_bytes=param_bytes)["param_shard"]
         if reference_models:
-            parts["reference_params"] = sizing.reference_bytes_per_rank(
-                num_params, world, world if arm == "zero3" else node_size, reference_models, param_bytes)
+            parts["reference_params"] = sizing.stock_reference_bytes_per_rank(
+                num_params, world, reference_models, param_bytes, None if arm == "zero3" else node_size)
         return {**parts, "total": sum(parts.values())}
     if arm.startswith("asynchzp"):
         d_o = world if d_o is None else d_o
@@ -161,7 +162,7 @@ def arm_memory(arm: str, num_params: int, world: int, node_size: int, d_p: int, 
                                                   grad_accum_bytes=a)
         if reference_models:
             parts["reference_params"] = sizing.reference_bytes_per_rank(num_params, world, d_p, reference_models,
-                                                                        param_bytes)
+                                                                        param_bytes, reference_copies)
             parts["total"] += parts["reference_params"]
         return parts
     raise ValueError(f"unknown arm {arm!r}; known: {', '.join(ARMS)}")
@@ -169,7 +170,7 @@ def arm_memory(arm: str, num_params: int, world: int, node_size: int, d_p: int, 
 
 def traffic_inputs(num_params: int, world: int, node_size: int, grad_accum: int, dtype: str,
                    multiple: int | None = None, grad_comm_bytes: float | None = None,
-                   reference_models: int = 0) -> traffic.TrafficInputs:
+                   reference_models: int = 0, reference_copies: bool = True) -> traffic.TrafficInputs:
     """Inputs for a planned model: one tensor padded to a multiple of ``multiple`` (default: the world; ``d_o``
     for AsyncHZP), every element gathered, reduced and trained; gradients on the wire in the parameter dtype unless
     ``grad_comm_bytes`` says otherwise (fp32 under sequence parallelism)."""
@@ -178,4 +179,4 @@ def traffic_inputs(num_params: int, world: int, node_size: int, grad_accum: int,
     return traffic.TrafficInputs(world=world, node_size=node_size, grad_accum=grad_accum, gathered_elements=padded,
                                  reduced_elements=padded, trainable_elements=padded, param_bytes=b,
                                  grad_comm_bytes=b if grad_comm_bytes is None else grad_comm_bytes,
-                                 reference_models=reference_models)
+                                 reference_models=reference_models, reference_copies=reference_copies)

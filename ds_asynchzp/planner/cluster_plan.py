@@ -148,6 +148,8 @@ def plan(num_params: int, world: int, node_size: int, grad_accum: int = 1, dtype
     common = dict(grad_accum=grad_accum, dtype=dtype, grad_accum_dtype=grad_accum_dtype, budget_bytes=budget,
                   intra_bw=intra_bw, inter_bw=inter_bw, offload_optimizer=offload_optimizer, sp=sp,
                   nics_per_node=nics_per_node, reference_models=reference_models)
+    # AsyncHZP gives reference models hpZ's copy except under SP and AutoEP (`config_compat.reference_copy_refusal`).
+    copies = sp is None and moe is None
     auto_sizes = dict.fromkeys(sizing.SIZE_KEYS, "auto")
     sizes = dict(zip(sizing.SIZE_KEYS, (param_shard_size, grad_shard_size, optimizer_shard_size)))
     if moe is not None:  # AutoEP allows d_o = world only (config_compat.expert_issues); "auto" picks it
@@ -171,7 +173,8 @@ def plan(num_params: int, world: int, node_size: int, grad_accum: int = 1, dtype
         fixed = {k: v for k, v in sizes.items() if isinstance(v, int)}
         d_p, d_g, d_o, _ = sizing.smallest_memory_layout(
             sizing.padded_num_params([num_params], world), world, node_size, param_bytes=b, grad_accum_bytes=a,
-            fixed=fixed, offload_optimizer=offload_optimizer, reference_models=reference_models)
+            fixed=fixed, offload_optimizer=offload_optimizer, reference_models=reference_models,
+            reference_copies=copies)
         source = "smallest memory (auto found no fit)"
 
     arms = {}
@@ -180,9 +183,9 @@ def plan(num_params: int, world: int, node_size: int, grad_accum: int = 1, dtype
         asynchzp = arm.startswith("asynchzp")
         t = traffic_inputs(num_params, world, node_size, grad_accum, dtype, multiple=d_o if asynchzp else world,
                            grad_comm_bytes=None if sp is None else sp.grad_comm_bytes,
-                           reference_models=reference_models)
+                           reference_models=reference_models, reference_copies=copies)
         memory = arm_memory(arm, t.trainable_elements, world, node_size, d_p, d_g, b, d_o=d_o, grad_accum_bytes=a,
-                            reference_models=reference_models)
+                            reference_models=reference_models, reference_copies=copies)
         moved = arm_bytes(arm, t, d_p, d_g, d_o)
         collectives = arm_collectives(arm, t, d_p, d_g, d_o)
         if sp is not None:
@@ -274,7 +277,8 @@ def plan(num_params: int, world: int, node_size: int, grad_accum: int = 1, dtype
         result["assumptions"].append(
             f"{reference_models} reference model(s) of the same size without an optimizer, one forward per "
             "micro-step: partitioned over the world, plus hpZ's secondary over the node (hpz, zeropp) or AsyncHZP's "
-            "copy over d_p (1 < d_p < world); their gathers counted from the second step on")
+            "copy over d_p (1 < d_p < world; not under sequence parallelism or AutoEP, where their engines stay "
+            "stock's); their gathers counted from the second step on")
     if sp is not None:
         result["sequence_parallel"] = {"sp": sp.sp, "seq_len": sp.seq_len, "hidden": sp.hidden, "layers": sp.layers,
                                        "kv_hidden": sp.kv_hidden or sp.hidden,

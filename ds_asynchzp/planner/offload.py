@@ -28,18 +28,21 @@ ASSUMPTIONS = [
 
 
 def arm_placement(arm: str, num_params: int, world: int, node_size: int, d_p: int, d_g: int, d_o: int,
-                  param_bytes: int, grad_accum_bytes: int, offload_optimizer: bool) -> dict:
+                  param_bytes: int, grad_accum_bytes: int, offload_optimizer: bool, reference_models: int = 0,
+                  reference_copies: bool = True) -> dict:
     """``{"device": parts, "host": parts}`` of one arm per rank. hpZ and ZeRO++ add their node-wide secondary
     parameter partition on the device; quantized arms store what their unquantized twins store, and an offload
     arm (``zero3-offload``, ``asynchzp-offload``) what its twin stores (`traffic.offload_twin`), placed as
-    ``offload_optimizer`` says."""
+    ``offload_optimizer`` says; ``reference_models`` (with ``reference_copies``) add their ``reference_params``."""
     twin = traffic.offload_twin(arm)
-    common = dict(offload_optimizer=offload_optimizer, param_bytes=param_bytes, grad_accum_bytes=grad_accum_bytes)
+    common = dict(offload_optimizer=offload_optimizer, param_bytes=param_bytes, grad_accum_bytes=grad_accum_bytes,
+                  reference_models=reference_models)
     if twin in STOCK_ARMS:
         return sizing.stock_placement_bytes_per_rank(num_params, world, **common,
                                                      secondary_size=None if twin == "zero3" else node_size)
     if twin.startswith("asynchzp"):
-        return sizing.placement_bytes_per_rank(num_params, world, d_p, d_g, d_o, **common)
+        return sizing.placement_bytes_per_rank(num_params, world, d_p, d_g, d_o, **common,
+                                               reference_copies=reference_copies)
     raise ValueError(f"no placement for arm {arm!r}")
 
 
@@ -49,7 +52,8 @@ def arm_entry(arm: str, t: traffic.TrafficInputs, d_p: int, d_g: int, d_o: int, 
     for comparison), whether the device part fits ``device_memory``, the ``host_device`` bytes and seconds per
     optimizer step, and the step's communication seconds with them (``network_s`` plus the copies)."""
     args = (arm, t.trainable_elements, t.world, t.node_size, d_p, d_g, d_o, t.param_bytes, grad_accum_bytes)
-    with_offload, without = arm_placement(*args, True), arm_placement(*args, False)
+    refs = dict(reference_models=t.reference_models, reference_copies=t.reference_copies)
+    with_offload, without = arm_placement(*args, True, **refs), arm_placement(*args, False, **refs)
     copies = traffic.host_device_bytes(arm, t, d_o if arm.startswith("asynchzp") else None, grad_accum_bytes)
     copy_s = copies["total"] / sizing.HOST_DEVICE_BW_BYTES_S
     return {

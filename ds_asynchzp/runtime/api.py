@@ -7,6 +7,7 @@ import copy
 import functools
 import inspect
 import os
+import warnings
 
 import deepspeed
 from deepspeed.accelerator import get_accelerator
@@ -15,7 +16,7 @@ from deepspeed.pipe import PipelineModule
 from ..formulas.sizing import padded_num_params
 from ..config import ResolvedLayout, load_ds_config, resolve_layout, section_from_ds_config
 from ..errors import AsyncHZPConfigError, AsyncHZPNotActiveError
-from ..config_compat import autoep_size
+from ..config_compat import reference_copy_refusal
 from ..platform.deepspeed_internals import (default_group_timeout_s, ds_comm, engine_class_swapped,
                                            give_hierarchical_copies, hierarchical_copy_refusal,
                                            hpz_groups_while_built, is_zero_param)
@@ -65,11 +66,36 @@ def resolve_for_initialize(*args, **kwargs) -> ResolvedLayout | None:
     world = _world_size()
     # The ranks per node: the config's node_size, else the launcher's environment, read (and, where its two
     # variables disagree, settled) by resolve_layout.
-    return resolve_layout(config, world, None,
-                          has_client_optimizer=arguments.get("optimizer") is not None,
-                          num_parameters=padded_num_params(_model_numel(model), world) if model is not None else None,
-                          sequence_parallel_size=sp,
-                          process_group_timeout_s=default_group_timeout_s())
+    layout = resolve_layout(config, world, None,
+                            has_client_optimizer=arguments.get("optimizer") is not None,
+                            num_parameters=padded_num_params(_model_numel(model), world) if model is not None else None,
+                            sequence_parallel_size=sp,
+                            process_group_timeout_s=default_group_timeout_s())
+    if layout is not None:
+        _warn_if_auto_differs(layout)
+    return layout
+
+
+# (d_p, chosen by "auto") of the first trained engine (key True) and of the first engine without an optimizer
+# (False) this process built.
+_FIRST_D_P: dict = {}
+_SAID = set()
+
+
+def _warn_if_auto_differs(layout: ResolvedLayout) -> None:
+    """A reference model's engine resolves "auto" from its own ds_config, which TRL copies without the optimizer
+    and its offload: it can choose another d_p than the trained engine, whose memory "auto" counted for it. Said
+    once, where either engine's sizes came from "auto"."""
+    _FIRST_D_P.setdefault(layout.has_optimizer, (layout.sizes.param_shard_size, layout.auto_reason is not None))
+    if len(_FIRST_D_P) < 2 or "auto differs" in _SAID:
+        return
+    (trained, trained_auto), (reference, reference_auto) = _FIRST_D_P[True], _FIRST_D_P[False]
+    if trained != reference and (trained_auto or reference_auto):
+        _SAID.add("auto differs")
+        warnings.warn(f'"auto" chose d_p={trained} for the trained model and d_p={reference} for a model without an '
+                      "optimizer (its ds_config differs: TRL drops the optimizer and its offload), so the memory "
+                      "async_hzp.reference_models counted is not what the reference model holds; set "
+                      "async_hzp.param_shard_size to an integer for both", RuntimeWarning, stacklevel=3)
 
 
 def _initialize_without_optimizer(layout: ResolvedLayout, arguments: dict):
@@ -94,17 +120,9 @@ def _initialize_without_optimizer(layout: ResolvedLayout, arguments: dict):
     why_stock = None
     if not 1 < layout.sizes.param_shard_size < layout.sizes.world_size:
         why_stock = "d_p is 1 or the world, so there is no partition inside the node to add"
-    elif layout.sequence_parallel_size > 1:
-        why_stock = "hpZ's secondary partition is not part of DeepSpeed's Ulysses sequence-parallel path"
-    elif autoep_size(config) is not None:
-        why_stock = "DeepSpeed 0.19.8's AutoEP refuses hpZ's secondary partition"
+    else:
+        why_stock = reference_copy_refusal(config, layout.sequence_parallel_size)
     zero = config.get("zero_optimization") or {}
-    if why_stock is None and (zero.get("zero_quantized_weights") or zero.get("zero_quantized_nontrainable_weights")):
-        why_stock = ("ZeRO++'s quantized weights would quantize the copy's blocks, not the world partitions' as stock "
-                     "does, and forwards would differ from stock's")
-    elif why_stock is None and zero.get("use_all_reduce_for_fetch_params"):
-        why_stock = ("use_all_reduce_for_fetch_params gathers by all-reduce, which turns -0.0 into +0.0, where the "
-                     "copy's gather keeps it: forwards would differ from stock's in the sign of zeros")
     params = list(model.parameters()) if model is not None else []
     built_partitioned = any(is_zero_param(p) for p in params)
     if why_stock is None and built_partitioned:

@@ -7,7 +7,8 @@ An observer is any object with some of these methods (each optional):
   AsyncHZP). To see that engine's training calls it calls `watch_engine(engine, self)`;
 * ``forward_begun(engine)`` / ``forward_ended(engine)``, ``backward_begun(engine, loss)`` /
   ``backward_ended(engine)``, ``step_begun(engine)`` / ``step_ended(engine)``: around the engine's ``forward``,
-  ``backward`` and ``step`` for a watched engine; an ``*_ended`` call only follows a call that returned.
+  ``backward`` and ``step`` for a watched engine; an ``*_ended`` call only follows a call that returned, an
+  ``*_failed(engine)`` call (``forward_failed``, ...) one that raised, before the exception goes on.
 
 An observer is added with `add_observer` (``ds_asynchzp.add_observer``), or, from outside a script that is not to
 be changed, by name: ``module:factory``, in the environment variable ``DS_ASYNCHZP_OBSERVERS`` (comma-separated)
@@ -106,6 +107,7 @@ def watch_engine(engine, observer) -> None:
 def _watched(engine, event: str, call, observer):
     begun = getattr(observer, f"{event}_begun", None)
     ended = getattr(observer, f"{event}_ended", None)
+    failed = getattr(observer, f"{event}_failed", None)
 
     def watched(*args, **kwargs):
         if begun is not None:
@@ -113,7 +115,12 @@ def _watched(engine, event: str, call, observer):
                 begun(engine, args[0] if args else kwargs.get("loss"))
             else:
                 begun(engine)
-        result = call(*args, **kwargs)
+        try:
+            result = call(*args, **kwargs)
+        except BaseException:
+            if failed is not None:
+                failed(engine)
+            raise
         if ended is not None:
             ended(engine)
         return result
