@@ -1,5 +1,8 @@
 """Rank-side code of the differential fuzzer: each case trains stock ZeRO-3, then AsyncHZP, on the same ranks,
-model, data and seed, and compares losses and consolidated parameters (tests/fuzz_models.py draws the cases).
+model, data and seed, and compares them by the verdict of tests/fuzz_verdict.py (tests/fuzz_models.py draws the
+cases): losses, consolidated parameters and GatheredParameters reads bit for bit; where the gradients are summed
+in another order than stock's, each step's reduced gradients (recorded in the stock run) within their rounding
+bound, with stock's then taken in their place (teacher forcing).
 
 A planted defect (a case's `plant`) is applied to AsyncHZP only, for that case, to show the comparison catches it.
 """
@@ -17,7 +20,7 @@ import deepspeed
 import torch
 
 import ds_asynchzp
-from tests import fuzz_models
+from tests import fuzz_models, fuzz_verdict
 
 WORLD_TIMEOUT_S = 240
 
@@ -26,8 +29,7 @@ def ds_config(spec: dict, hierarchical: bool) -> dict:
     config = {
         "train_micro_batch_size_per_gpu": spec["model"]["micro_batch"],
         "gradient_accumulation_steps": spec["gas"],
-        "optimizer": {"type": "AdamW", "params": dict({"lr": spec["lr"], "weight_decay": spec["weight_decay"]},
-                                                      **({"eps": spec["eps"]} if "eps" in spec else {}))},
+        "optimizer": {"type": "AdamW", "params": {"lr": spec["lr"], "weight_decay": spec["weight_decay"]}},
         "gradient_clipping": spec["clip"],
         "zero_optimization": dict({"stage": 3}, **spec["zero"]),
         "steps_per_print": 10**9,
@@ -73,7 +75,9 @@ def _sp_batch(spec: dict, step: int, micro: int, rank: int, sp: int):
     return x[:, part], y[:, part]
 
 
-def _train(spec: dict, hierarchical: bool) -> dict:
+def _train(spec: dict, hierarchical: bool, gradients=None) -> dict:
+    """One arm. `gradients`: a `fuzz_verdict.StockRecord` (stock) or `Forcing` (AsyncHZP), which reads each
+    step's reduced gradients between the window's last backward and the step, and what the step left after it."""
     rank = deepspeed.comm.get_rank()
     sp = spec.get("sp", 1)
     mpu = _sequence_parallel_state(sp)
@@ -84,6 +88,8 @@ def _train(spec: dict, hierarchical: bool) -> dict:
     engine, *_ = ds_asynchzp.initialize(model=model, model_parameters=[p for p in model.parameters()
                                                                        if p.requires_grad],
                                         config=ds_config(spec, hierarchical), mpu=mpu)
+    if gradients is not None:
+        gradients.attach(engine, model)
     toggled = model.toggled_parameters()
     losses, outside_reads, norms = [], [], []
     for step in range(spec["steps"]):
@@ -103,7 +109,12 @@ def _train(spec: dict, hierarchical: bool) -> dict:
                 loss = ds_asynchzp.sequence_parallel_loss(engine(x, y, step, micro, rank) * y.numel(), y.numel(),
                                                           group)
             engine.backward(loss)
+            boundary = gradients is not None and micro == spec["gas"] - 1
+            if boundary:
+                gradients.boundary()
             engine.step()
+            if boundary:
+                gradients.after_step()
             total += loss.item()
         losses.append(total / spec["gas"])
         norms.append(float(engine.get_global_grad_norm()))   # what the step clipped with
@@ -124,17 +135,40 @@ def _train(spec: dict, hierarchical: bool) -> dict:
             "host_optimizer": host_optimizer, "grad_norms": norms}
 
 
-def _compare(stock: dict, ours: dict) -> dict:
+def _compare(stock: dict, ours: dict, forcing=None) -> dict:
+    """The verdict of tests/fuzz_verdict.py, the same on every rank (a collective): losses (every rank's, every
+    step), consolidated parameters and GatheredParameters reads bit for bit; in a case whose summation order
+    differs (`forcing`: the teacher forcing), each step's reduced gradients, and where d_o < N the clipping norm and
+    each Adam update, within their bounds (`bound_ratios`: the largest |difference| / bound of each, over every
+    rank). The relative differences are reported for a failure's diagnosis."""
     loss_diff = max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(ours["losses"], stock["losses"]))
     delta = sum(float((ours["final"][n] - t).pow(2).sum()) for n, t in stock["final"].items())
     norm = sum(float(t.pow(2).sum()) for t in stock["final"].values())
     reads = [abs(a - b) / max(abs(b), 1e-30) for a, b in zip(ours["outside_reads"], stock["outside_reads"])]
-    return {"max_loss_rel_diff": loss_diff, "param_rel_l2_diff": math.sqrt(delta / max(norm, 1e-300)),
-            "outside_read_rel_diff": max(reads, default=0.0),
-            "bit_identical": ours["losses"] == stock["losses"],
-            "losses": ours["losses"], "stock_losses": stock["losses"], "optimizer": ours["optimizer"],
-            "host_optimizer": ours["host_optimizer"], "stock_host_optimizer": stock["host_optimizer"],
-            "stock_grad_norms": stock["grad_norms"]}
+    params_equal = ours["final"].keys() == stock["final"].keys() and all(
+        torch.equal(ours["final"][n], t) for n, t in stock["final"].items())
+    local = [ours["losses"] != stock["losses"], not params_equal, ours["outside_reads"] != stock["outside_reads"]]
+    kinds = sorted(forcing.verdict.ratio) if forcing is not None else []
+    if forcing is not None:
+        local += [bool(forcing.problems)] + [forcing.verdict.ratio[k] for k in kinds]
+    worst = torch.tensor([float(x) for x in local], dtype=torch.float64)
+    deepspeed.comm.all_reduce(worst, op=deepspeed.comm.ReduceOp.MAX)
+    worst = worst.tolist()
+    mismatches = [what for what, differs in zip(("losses", "parameters", "GatheredParameters reads"), worst)
+                  if differs]
+    result = {"exact_mismatches": mismatches, "forced": forcing is not None,
+              "max_loss_rel_diff": loss_diff, "param_rel_l2_diff": math.sqrt(delta / max(norm, 1e-300)),
+              "outside_read_rel_diff": max(reads, default=0.0),
+              "losses": ours["losses"], "stock_losses": stock["losses"], "optimizer": ours["optimizer"],
+              "host_optimizer": ours["host_optimizer"], "stock_host_optimizer": stock["host_optimizer"],
+              "stock_grad_norms": stock["grad_norms"]}
+    if forcing is not None:
+        verdict = forcing.verdict
+        result.update(forcing_problem_on_some_rank=bool(worst[3]), forcing_problems=forcing.problems,
+                      bound_ratios=dict(zip(kinds, worst[4:])), local_bound_ratios=dict(verdict.ratio),
+                      local_worst=dict(verdict.worst), local_max_abs_diff=dict(verdict.max_abs_diff),
+                      local_elements_differing=dict(verdict.elements_differing))
+    return result
 
 
 @contextlib.contextmanager
@@ -167,6 +201,18 @@ def planted(name: str):
 
         def replacement(self, params, comm_dtype, sp_divides=False):
             return original(self, params, comm_dtype, sp_divides=False)
+    elif name == "one_gradient_element":
+        # One element of one step's summed gradient off by 1e-3 relative: after each window's cross-node sum, the
+        # largest element of rank 0's first chunk of own atoms.
+        from ds_asynchzp.comm import step_boundary
+        owner, attribute = step_boundary.StepBoundary, "_reduce_chunk"
+        original = owner._reduce_chunk
+
+        def replacement(self, buffer, start, end, comm_dtype, segments):
+            original(self, buffer, start, end, comm_dtype, segments)
+            if start == 0 and deepspeed.comm.get_rank() == 0:
+                own = buffer.data[buffer.own_row, start:end]
+                own[int(own.abs().argmax())] *= 1 + 1e-3
     elif name == "offload_every_param":
         # Every reduced parameter's summed gradient goes to the host at the boundary, as without offload, instead of
         # those stock's offload copies (the ones reduced in the window's last backward).
@@ -224,22 +270,30 @@ def run_fuzz_cases(payload: dict) -> dict:
                                 "cause": f"{type(error.__cause__).__name__}: {error.__cause__}"}
             print(f"fuzz case {key}: AsyncHZP alone: {str(results[key]['error'])[:100]}", flush=True)
             continue
+        # Where AsyncHZP sums in another order than stock: stock's reduced gradients, their terms' magnitudes and
+        # counts (and where d_o < N, its steps), step by step, for the comparison and the teacher forcing.
+        stock_record = (fuzz_verdict.StockRecord(step=fuzz_verdict.step_partitions_differ(spec))
+                           if fuzz_verdict.summation_order_differs(spec) else None)
         try:
-            stock = _train(spec, hierarchical=False)
+            with stock_record.hooks() if stock_record is not None else contextlib.nullcontext():
+                stock = _train(spec, hierarchical=False, gradients=stock_record)
         except Exception as error:  # the spec is outside what stock ZeRO-3 trains: nothing to compare with
             results[key] = {"stock_error": f"{type(error).__name__}: {error}"}
             print(f"fuzz case {key}: stock ZeRO-3 raised {type(error).__name__}", flush=True)
             continue
+        forcing = fuzz_verdict.Forcing(stock_record) if stock_record is not None else None
         try:
             with planted(spec.get("plant", "")):
-                ours = _train(spec, hierarchical=True)
+                ours = _train(spec, hierarchical=True, gradients=forcing)
         except Exception as error:
             results[key] = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()[-3000:]}
             print(f"fuzz case {key}: AsyncHZP raised {type(error).__name__}: {error}", flush=True)
             continue
-        results[key] = _compare(stock, ours)
-        print(f"fuzz case {key}: {time.perf_counter() - started:.1f} s, loss diff "
-              f"{results[key]['max_loss_rel_diff']:.2e}", flush=True)
+        results[key] = verdict = _compare(stock, ours, forcing)
+        verdict["seconds"] = time.perf_counter() - started
+        ratios = ", ".join(f"{kind} {ratio:.3g}" for kind, ratio in verdict.get("bound_ratios", {}).items())
+        print(f"fuzz case {key}: {time.perf_counter() - started:.1f} s, exact mismatches "
+              f"{verdict['exact_mismatches']}" + (f", |difference| / bound: {ratios}" if forcing else ""), flush=True)
     results["rank"] = int(os.environ["RANK"])
     deepspeed.comm.barrier()
     return results
