@@ -69,33 +69,54 @@ def ds_config(asynchzp: bool, path: str | None = None) -> dict:
     return config
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=None, help="rank 0 writes the losses and the engines' types here")
+def common_arguments(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """The options this example shares with trl_grpo.py, added to `parser`, and the parsed arguments."""
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps (default: %(default)s)")
     parser.add_argument("--asynchzp", action="store_true", help="add an async_hzp section to the built-in ds_config")
     parser.add_argument("--deepspeed_config", default=None, help="a ds_config file instead of the built-in one")
-    parser.add_argument("--output_dir", default=None, help="the trainer's output folder (default: next to --out, "
-                                                          "else ./dpo_out)")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # the deepspeed launcher's
     args = parser.parse_args()
     if args.deepspeed_config is not None and args.asynchzp:
         parser.error("--asynchzp adds a section to the built-in ds_config; put it in --deepspeed_config's file instead")
+    return args
 
+
+def start_rank() -> None:
+    """Communication up, and `ds_asynchzp.register()` called, before the trainer's arguments start Accelerate."""
     # AsyncHZP's node_size defaults to LOCAL_WORLD_SIZE (else LOCAL_SIZE); on CPU ranks Accelerate, which the
     # trainer's arguments start, writes LOCAL_WORLD_SIZE = 1 where the deepspeed launcher set only LOCAL_SIZE, and
     # every rank would count as a node of its own (examples/hf_trainer.py does the same).
     if "LOCAL_SIZE" in os.environ and "LOCAL_WORLD_SIZE" not in os.environ:
         os.environ["LOCAL_WORLD_SIZE"] = os.environ["LOCAL_SIZE"]
-
     import deepspeed
-    import torch
 
     deepspeed.init_distributed(dist_backend="gloo")   # CPU ranks; Accelerate adopts the group
-    from trl import DPOConfig, DPOTrainer
-
     import ds_asynchzp
+
     ds_asynchzp.register()
+
+
+def saved_model(output_dir: str):
+    """The tokenizer, and the folder rank 0 saved the tiny Llama into (every rank waits for it)."""
+    import torch
+
+    tokenizer = build_tokenizer()
+    saved = os.path.join(output_dir, "tiny_llama")
+    if torch.distributed.get_rank() == 0:
+        build_model(tokenizer).save_pretrained(saved)
+    torch.distributed.barrier()
+    return tokenizer, saved
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=None, help="rank 0 writes the losses and the engines' types here")
+    parser.add_argument("--output_dir", default=None, help="the trainer's output folder (default: next to --out, "
+                                                          "else ./dpo_out)")
+    args = common_arguments(parser)
+    start_rank()
+    import torch
+    from trl import DPOConfig, DPOTrainer
 
     losses = []
 
@@ -106,13 +127,9 @@ def main() -> None:
             losses.append(float(loss.detach()))
             return result
 
-    tokenizer = build_tokenizer()
     output_dir = args.output_dir or os.path.join(os.path.dirname(os.path.abspath(args.out)) if args.out else ".",
                                                  "dpo_out")
-    saved = os.path.join(output_dir, "tiny_llama")
-    if torch.distributed.get_rank() == 0:
-        build_model(tokenizer).save_pretrained(saved)
-    torch.distributed.barrier()
+    tokenizer, saved = saved_model(output_dir)
     config = DPOConfig(output_dir=output_dir, deepspeed=ds_config(args.asynchzp, args.deepspeed_config),
                        max_steps=args.steps, per_device_train_batch_size=2, gradient_accumulation_steps=2,
                        learning_rate=1e-3, lr_scheduler_type="constant", max_grad_norm=1.0, logging_steps=1,

@@ -19,7 +19,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from trl_dpo import build_model, build_tokenizer, ds_config  # noqa: E402  (the sibling example)
+from trl_dpo import common_arguments, ds_config, saved_model, start_rank  # noqa: E402  (the sibling example)
 
 
 def digits(completions, **_) -> list:
@@ -29,34 +29,15 @@ def digits(completions, **_) -> list:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=4, help="optimizer steps (default: %(default)s)")
-    parser.add_argument("--asynchzp", action="store_true", help="add an async_hzp section to the built-in ds_config")
-    parser.add_argument("--deepspeed_config", default=None, help="a ds_config file instead of the built-in one")
     parser.add_argument("--output_dir", default="grpo_out", help="the trainer's output folder (default: %(default)s)")
-    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # the deepspeed launcher's
-    args = parser.parse_args()
-    if args.deepspeed_config is not None and args.asynchzp:
-        parser.error("--asynchzp adds a section to the built-in ds_config; put it in --deepspeed_config's file instead")
-    # As in trl_dpo.py: Accelerate writes LOCAL_WORLD_SIZE = 1 on CPU ranks where the launcher set only LOCAL_SIZE.
-    if "LOCAL_SIZE" in os.environ and "LOCAL_WORLD_SIZE" not in os.environ:
-        os.environ["LOCAL_WORLD_SIZE"] = os.environ["LOCAL_SIZE"]
-
-    import deepspeed
+    args = common_arguments(parser)
+    start_rank()
     import torch
-
-    deepspeed.init_distributed(dist_backend="gloo")   # CPU ranks; Accelerate adopts the group
     from datasets import Dataset
     from transformers import LlamaForCausalLM
     from trl import GRPOConfig, GRPOTrainer
 
-    import ds_asynchzp
-    ds_asynchzp.register()
-
-    tokenizer = build_tokenizer()
-    saved = os.path.join(args.output_dir, "tiny_llama")
-    if torch.distributed.get_rank() == 0:
-        build_model(tokenizer).save_pretrained(saved)
-    torch.distributed.barrier()
+    tokenizer, saved = saved_model(args.output_dir)
     config = GRPOConfig(output_dir=args.output_dir, deepspeed=ds_config(args.asynchzp, args.deepspeed_config),
                         max_steps=args.steps, per_device_train_batch_size=2, gradient_accumulation_steps=2,
                         num_generations=4, max_completion_length=8, beta=0.1, learning_rate=1e-3,

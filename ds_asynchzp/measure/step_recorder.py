@@ -145,25 +145,20 @@ def _per_step(totals: dict, steps: int) -> dict:
             "crossing_messages": {style: {str(peer): count / steps for peer, count in by_peer.items()}
                                   for style, by_peer in totals["crossing_messages"].items()},
             # Bytes of the collectives a labelled model issued (a reference model's forwards, `platform.ledger`).
-            "by_model": _by_model(totals, steps),
+            "by_model": _by_model(totals["by_model"], steps),
             "by_flow": {name: {key: v[key] / steps for key in
                                ("intra_node", "inter_node", "intra_node_scales", "inter_node_scales")}
                         for name, v in totals["by_flow"].items()}}
 
 
-def _added(total: dict, part: dict) -> dict:
-    """`total` with every number of `part` added at the same place (two ledger summaries as one)."""
-    for key, value in part.items():
-        if isinstance(value, dict):
-            _added(total.setdefault(key, {}), value)
-        elif isinstance(value, (int, float)):
-            total[key] = total.get(key, 0) + value
-    return total
+_MODEL_KEYS = ("intra_node", "inter_node", "link_bytes")
 
 
-def _by_model(summary: dict, steps: int = 1) -> dict:
-    return {name: {key: v[key] / steps for key in ("intra_node", "inter_node", "link_bytes")}
-            for name, v in summary.get("by_model", {}).items()}
+def _by_model(by_model: dict, steps: int = 1, *more: dict) -> dict:
+    """A ledger summary's ``by_model`` per step, with the ``by_model`` of `more` summaries added."""
+    names = set(by_model).union(*more)
+    return {name: {key: sum(part.get(name, {}).get(key, 0.0) for part in (by_model, *more)) / steps
+                   for key in _MODEL_KEYS} for name in names}
 
 
 class StepRecorder:
@@ -278,7 +273,7 @@ class StepRecorder:
                           for name, v in comm["by_family"].items()},
             # Labelled models' bytes (a reference model's forwards), from the end of the step before: GRPO runs its
             # reference model before the policy's first forward.
-            "by_model": _by_model(_added(_added({}, comm), between)),
+            "by_model": _by_model(comm["by_model"], 1, between.get("by_model", {})),
             # What the script issued on the training thread between the step before and this one's first forward
             # (the figures above count from that forward, as the times do).
             "between_steps": {key: between.get(key, 0) for key in ("intra_node", "inter_node", "calls")},
