@@ -148,6 +148,15 @@ class AsyncHZPConfig(BaseModel):
         "sharded buffer (that part not below 65536), so that the exchange starts early in the last backward and "
         "follows it closely, even under DeepSpeed's default bucket of 5e8.",
     )
+    offload_pipeline: bool = Field(
+        True,
+        description="With zero_optimization.offload_optimizer on the host: step the host optimizer (DeepSpeedCPUAdam) "
+        "chunk by chunk of the cross-node exchange, each stepped chunk copied back to the device on the copy stream "
+        "through a pinned staging buffer in the parameter dtype and its refresh submitted at once, so the copies "
+        "back and the refresh run under the host step of the next chunks. The same values, bit for bit, as false, "
+        "which steps each sub-group whole and copies it back as stock ZeRO-3 does (a blocking copy). Ignored "
+        "without optimizer offload.",
+    )
     comm_timeout_s: Optional[float] = Field(
         None,
         gt=0,
@@ -220,6 +229,7 @@ _FIELD_RULES = {
     "async_comm": ("true or false", "use a JSON boolean (true/false)."),
     "prefetch_depth": ("an integer >= 0", "set how many gathers may run ahead of compute, e.g. 2, or remove it."),
     "boundary_bucket_size": ("a positive integer or null", "set elements per cross-node chunk, or remove it."),
+    "offload_pipeline": ("true or false", "use a JSON boolean (true/false)."),
     "comm_timeout_s": ("a positive finite number", "set the seconds a collective may take, e.g. 300, or remove it."),
     "issue_order": ('"auto", "total" or "per_thread"', 'use one of those strings, or remove it for "auto".'),
     "quantized_weights": ("true or false", "use a JSON boolean (true/false)."),
@@ -576,6 +586,7 @@ def resolve_layout(
         LayoutSizes(world, node, d_p, d_g, d_o),
         Scheduling(async_comm=section.async_comm, prefetch_depth=resolve_prefetch_depth(section, ds_config),
                    boundary_bucket_size=section.boundary_bucket_size, issue_order=section.issue_order,
+                   offload_pipeline=section.offload_pipeline,
                    **dict(zip(("comm_timeout_s", "comm_timeout_source"),
                               resolve_comm_timeout(section, process_group_timeout_s)))),
         QuantizationSettings(quantized_weights=section.quantized_weights,

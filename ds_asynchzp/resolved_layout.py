@@ -67,6 +67,8 @@ class Scheduling:
     boundary_bucket_size: Optional[int] = None
     comm_timeout_s: float = DEEPSPEED_DEFAULT_TIMEOUT_S
     issue_order: str = "auto"
+    # With optimizer offload: the host step chunk by chunk, its copies back and refresh under it.
+    offload_pipeline: bool = True
     # Where comm_timeout_s comes from (the section's key, the default process group, DeepSpeed's default).
     comm_timeout_source: str = "DeepSpeed's default"
 

@@ -38,9 +38,17 @@ def ds_config(spec: dict, hierarchical: bool) -> dict:
         # Both arms: DeepSpeed then steps with DeepSpeedCPUAdam on host master weights (stock's offload path is
         # the reference).
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if spec.get("bf16"):
+        config["bf16"] = {"enabled": True}
     if hierarchical:
         config["async_hzp"] = dict(spec["layout"], node_size=spec["node_size"], async_comm=spec["async_comm"],
-                                   log_layout=False)
+                                   log_layout=False, **{k: spec[k] for k in ("offload_pipeline", "boundary_bucket_size")
+                                                        if k in spec})
+        if spec.get("offload") and fuzz_verdict.step_partitions_differ(spec):
+            # The teacher forcing of each Adam update (d_o < N) rewrites the master weights after Stage 3's host
+            # step of a sub-group; the pipelined step has copied its pieces back and begun their refresh by then,
+            # so these cases step whole (tests/test_offload_pipeline.py shows the two give the same bits).
+            config["async_hzp"]["offload_pipeline"] = False
     return config
 
 
@@ -231,11 +239,11 @@ def planted(name: str):
         owner, attribute = host_offload.HostOffload, "finish_window"
         original = owner.finish_window
 
-        def replacement(self, on_side_stream=False):
+        def replacement(self, on_side_stream=False, copies_may_run=False):
             reduced = internals.offload_reduced_since_step(self.optimizer)
             unreduced = [p for group in internals.stage3_sub_groups(self.optimizer) for p in group
                          if p.ds_id not in reduced] if self.pending else []
-            original(self, on_side_stream)
+            original(self, on_side_stream, copies_may_run)
             for param in unreduced:
                 host = internals.offload_host_grad(self.optimizer, param)
                 if name == "offload_zero_unreduced":

@@ -85,10 +85,28 @@ def planted(fault):
         from ds_asynchzp.state.param_shards import ParamShards
 
         def zero_padding_unrecorded(self, buffer, start, end):
-            for owner, column, view in self._padding:
+            for owner, column, _, view in self._padding:
                 if owner is buffer and start <= column < end:
                     view.zero_()
         patch(ParamShards, "zero_padding_in", zero_padding_unrecorded)
+    elif fault == "refresh_before_copy_back":
+        # 9: the host step in pieces: the buffer does not note a piece's copy back, so its refresh does not wait.
+        from ds_asynchzp.comm.host_copy import ParamsToDevice
+        from ds_asynchzp.state.sharded_buffer import ShardedBuffer as Buffer
+
+        copy = ParamsToDevice.copy
+
+        def copy_unnoted(self, master, buffer, start, zeroed):
+            note, buffer.note_host_access = buffer.note_host_access, lambda: None
+            try:
+                copy(self, master, buffer, start, zeroed)
+            finally:
+                del buffer.note_host_access
+        patch(ParamsToDevice, "copy", copy_unnoted)
+    elif fault == "host_step_before_copy_out":
+        # 10: the host step in pieces: the host does not block on the copies to the host of a piece's chunks.
+        from ds_asynchzp.comm.host_copy import GradToHost
+        patch(GradToHost, "host_wait_chunks", lambda self, indices: None)
     elif fault == "reopen_own_family_only":
         # 8: optimizer offload with several families (AutoEP): a reopened window copies and takes the norms of every
         # family's gradients having waited for its own family's cross-node sums alone.

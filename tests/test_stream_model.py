@@ -291,7 +291,11 @@ PARITY_CASES = [
     _case("window_reopened", zero=NO_PERSISTENCE, extra_backward=True),         # a backward after the boundary
     # Optimizer states on the host: the chunk copies to pinned host memory, the host step, the copies back and the
     # refresh of each stepped sub-group (several sub-groups), by default (pinned) and with the window reopened.
+    # By default the host step runs in pieces, each copied back through a pinned staging slot on the copy stream
+    # (`offload_pipeline`); the whole-sub-group path is checked too.
     _case("offload", zero=dict(NO_PERSISTENCE, offload_optimizer=OFFLOAD, sub_group_size=SMALL_SUB_GROUPS)),
+    _case("offload_serial", zero=dict(NO_PERSISTENCE, offload_optimizer=OFFLOAD, sub_group_size=SMALL_SUB_GROUPS),
+          async_hzp={"offload_pipeline": False}),
     _case("offload_reopened", zero=dict(NO_PERSISTENCE, offload_optimizer=OFFLOAD), extra_backward=True),
     # Two families (AutoEP's experts and the dense parameters): a reopened window reads every family's sums.
     _case("offload_reopened_moe", model="moe", autoep_size=2, zero=dict(NO_PERSISTENCE, offload_optimizer=OFFLOAD),
@@ -324,10 +328,21 @@ PLANTED = {
     # 6: optimizer offload: a chunk copied to the host before its cross-node sum is done.
     "copy_before_sum": (_case("plant_copy_before_sum", zero=dict(NO_PERSISTENCE, offload_optimizer=OFFLOAD)),
                         "read-after-write", "comm/host_copy.py"),
-    # 7: optimizer offload: a sub-group's refresh sends the own row before the host-to-device copy wrote it.
+    # 7: optimizer offload, the whole-sub-group step: a sub-group's refresh sends the own row before the
+    # host-to-device copy wrote it.
     "refresh_before_h2d": (_case("plant_refresh_before_h2d", zero=dict(NO_PERSISTENCE, offload_optimizer=OFFLOAD,
-                                                                       sub_group_size=SMALL_SUB_GROUPS)),
+                                                                       sub_group_size=SMALL_SUB_GROUPS),
+                                 async_hzp={"offload_pipeline": False}),
                            "read-after-write", "_reassign_or_swap_out_partitioned_parameters"),
+    # 9: optimizer offload, the host step in pieces: a piece's refresh sends it before its copy back has ended.
+    "refresh_before_copy_back": (_case("plant_refresh_before_copy_back",
+                                       zero=dict(NO_PERSISTENCE, offload_optimizer=OFFLOAD)),
+                                 "read-after-write", "comm/host_copy.py"),
+    # 10: optimizer offload, the host step in pieces: the host scales and steps a piece before the copy of its
+    # summed gradient to the host has ended (the scaling writes in place: a write after that copy's write).
+    "host_step_before_copy_out": (_case("plant_host_step_before_copy_out",
+                                        zero=dict(NO_PERSISTENCE, offload_optimizer=OFFLOAD)),
+                                  "write-after-write", "runtime/host_step_pipeline.py"),
     # 8: optimizer offload, two families: a reopened window copies and takes the norms of the other family's
     # gradients before that family's cross-node sums have ended, and its next reductions are not ordered after
     # those reads (seen on every rank; rank 0 also reads a norm before the sum wrote it).

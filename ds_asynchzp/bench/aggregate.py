@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import statistics
 
+from ..platform.ledger import BOUNDARY_PHASES
+
 
 def _steady_mean(values: list, warmup: int) -> float:
     steady = values[warmup:]
@@ -29,6 +31,32 @@ def _per_step_max(by_rank: list, key: str, n_steps: int) -> list | None:
 
 def _steady_median(values: list | None, warmup: int) -> float | None:
     return None if values is None else statistics.median(values[warmup:])
+
+
+def _boundary_per_step(by_rank: list, n_steps: int, extract) -> list | None:
+    """Per step, the largest boundary figure over ranks (`measure.boundary`); None where a step has none (stock
+    arms without offload, older workers) or the figure is None."""
+    values = []
+    for s in range(n_steps):
+        found = [extract(r["steps"][s].get("boundary")) if r["steps"][s].get("boundary") else None for r in by_rank]
+        if any(v is None for v in found):
+            return None
+        values.append(max(found))
+    return values
+
+
+def boundary_figures(by_rank: list, n_steps: int, warmup: int) -> dict:
+    """The offload boundary's figures of one repeat: per steady step the slowest rank's, then the median (the
+    boundary is as slow as its slowest rank, as the step is)."""
+    wall = _boundary_per_step(by_rank, n_steps, lambda b: b["wall_s"])
+    critical = _boundary_per_step(by_rank, n_steps, lambda b: b["critical_path_s"])
+    phases = {kind: _steady_median(_boundary_per_step(by_rank, n_steps, lambda b, k=kind: b["phase_s"][k]), warmup)
+              for kind in BOUNDARY_PHASES} if wall is not None else None
+    return {"boundary_wall_s": _steady_median(wall, warmup),
+            "boundary_critical_path_s": _steady_median(critical, warmup),
+            "boundary_phase_s": phases,
+            "boundary_other_s": _steady_median(_boundary_per_step(by_rank, n_steps, lambda b: b["other_s"]), warmup),
+            "boundary_chunks": (by_rank[0]["steps"][0].get("boundary") or {}).get("chunks")}
 
 
 def host_us_per_param(step_time_s: float, parameter_tensors: int | None) -> float | None:
@@ -162,6 +190,8 @@ def aggregate_arm(rank_results: list, warmup: int, tokens_per_step: int) -> dict
         # Per optimizer step, slowest rank: training thread blocked on communication / any collective in flight.
         "exposed_comm_s": exposed,
         "comm_busy_s": busy,
+        # Under optimizer offload: the step boundary (`measure.boundary`), slowest rank, median over steady steps.
+        **boundary_figures(by_rank, n_steps, warmup),
         "exposed_comm_s_per_step": _steady_median(exposed, warmup),
         "comm_busy_s_per_step": _steady_median(busy, warmup),
         "collective_calls_per_step": mean_over_ranks(lambda st: st["calls"]),
@@ -223,6 +253,8 @@ def merge_repeats(entries: list) -> dict:
         "exposed_comm_s_per_step": e.get("exposed_comm_s_per_step"),
         "comm_busy_s_per_step": e.get("comm_busy_s_per_step"),
         "cpu_s_per_step": e.get("cpu_s_per_step"),
+        "boundary_wall_s": e.get("boundary_wall_s"),
+        "boundary_critical_path_s": e.get("boundary_critical_path_s"),
         "losses_identical_to_first": e["losses"] == entries[0]["losses"],
     } for e in entries]
     medians = [e["median_step_time_s"] for e in entries]
@@ -242,9 +274,15 @@ def merge_repeats(entries: list) -> dict:
         merged["wire_bytes_inter_node_per_step"] = statistics.median(wires)
     # Like step time: the median over repeats of each repeat's steady-state median. The per-step lists and the
     # timeline stay the first repeat's (each repeat's lists are under "repeats").
-    for key in ("exposed_comm_s_per_step", "comm_busy_s_per_step", "cpu_s_per_step"):
+    for key in ("exposed_comm_s_per_step", "comm_busy_s_per_step", "cpu_s_per_step", "boundary_wall_s",
+                "boundary_critical_path_s", "boundary_other_s"):
         values = [e[key] for e in entries if e.get(key) is not None]
         merged[key] = statistics.median(values) if values else None
+    phases = [e["boundary_phase_s"] for e in entries if e.get("boundary_phase_s")]
+    if phases:
+        merged["boundary_phase_s"] = {kind: (statistics.median([p[kind] for p in phases if p[kind] is not None])
+                                             if any(p[kind] is not None for p in phases) else None)
+                                      for kind in phases[0]}
     if merged["cpu_s_per_step"] is not None:
         merged["host_cpu_us_per_param_per_step"] = host_us_per_param(merged["cpu_s_per_step"],
                                                                      merged.get("parameter_tensors"))

@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="training precision (default: %(default)s)")
     parser.add_argument("--seed", type=integer, default=1234, help="seed of weights and data (default: %(default)s)")
     parser.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate (default: %(default)s)")
+    parser.add_argument("--gradient-clipping", type=non_negative_float, default=GRADIENT_CLIPPING,
+                        help="the ds_config's gradient_clipping, every arm (0: off) (default: %(default)s)")
     parser.add_argument("--warmup-steps", type=non_negative_int, default=1,
                         help="first optimizer steps left out of steady-state averages; must be < --steps "
                              "(default: %(default)s)")
@@ -266,7 +268,7 @@ def ds_config_for(arm: str, args: argparse.Namespace) -> dict:
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_accumulation_steps": args.grad_accum,
         "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": WEIGHT_DECAY}},
-        "gradient_clipping": GRADIENT_CLIPPING,
+        "gradient_clipping": getattr(args, "gradient_clipping", GRADIENT_CLIPPING),
         "zero_optimization": shared_zero3_knobs(args),
         "steps_per_print": STEPS_PER_PRINT,
         "wall_clock_breakdown": False,
@@ -330,7 +332,7 @@ def run_config(args: argparse.Namespace) -> dict:
         "seed": args.seed,
         "lr": args.lr,
         "weight_decay": WEIGHT_DECAY,
-        "gradient_clipping": GRADIENT_CLIPPING,
+        "gradient_clipping": getattr(args, "gradient_clipping", GRADIENT_CLIPPING),
         "warmup_steps": args.warmup_steps,
         "out": str(args.out),
         "timeout_s": args.timeout,

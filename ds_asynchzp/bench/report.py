@@ -305,10 +305,12 @@ def _bytes_table(arms: dict) -> list[str]:
 
 
 def _offload(results: dict) -> list[str]:
-    """The offload arms' host memory and host<->device copies (`bench/offload.py`), where the run had any."""
+    """The offload arms' host memory and host<->device copies (`bench/offload.py`) and their step boundary
+    (`bench/boundary_table.py`), where the run had any."""
+    from .boundary_table import format_boundary_table
     from .offload import format_offload_table
 
-    return format_offload_table(results)
+    return format_offload_table(results) + format_boundary_table(results)
 
 
 def _volume(results: dict) -> list[str]:

@@ -4,7 +4,8 @@ Each arm gets a subplot (stacked, one shared time axis in seconds from the step'
 training thread: the whole step as compute, with the stretches it spent blocked on communication drawn over it.
 Below come one lane per thread that issued collectives (the training thread's own collectives first, then the
 communication threads), each collective a bar from issue to completion, coloured by its ledger tag and hatched
-when its group spans nodes. Where communication is hidden, the bars sit on the communication threads' lanes while
+when its group spans nodes; under optimizer offload, then one lane per phase of the step boundary (the cross-node
+sum, the copies to the host, the host step, the copies back, the refresh: `platform.ledger.boundary_phase`). Where communication is hidden, the bars sit on the communication threads' lanes while
 the training lane stays compute; where it is not, every bar is matched by a wait.
 
 The data is the ``timeline`` a worker records for step ``timeline_step`` (see `ds_asynchzp.bench.worker`): times
@@ -14,6 +15,8 @@ in seconds relative to the step's start. Arms without one (older results.json fi
 from __future__ import annotations
 
 from pathlib import Path
+
+from ..platform.ledger import BOUNDARY_PHASES
 
 TRAINING_THREAD = "MainThread"
 # Lanes in this order; threads of other names (none issue collectives today) follow, sorted.
@@ -26,6 +29,9 @@ WAIT_COLOR = "tab:red"
 TAG_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan",
               "#aec7e8", "#ffbb78", "#98df8a", "#c5b0d5", "#c49c94", "#f7b6d2", "#dbdb8d", "#9edae5")
 INTER_NODE_HATCH = "////"
+# Under optimizer offload, one lane per phase of the step boundary (busy intervals, any thread).
+PHASE_LANE = "boundary: "
+PHASE_COLOR = "#4d4d4d"
 BAR_HEIGHT = 0.7
 LANE_INCHES = 0.42  # figure height per lane, so a subplot with more threads gets more room
 TITLE_INCHES = 0.75
@@ -55,6 +61,12 @@ def thread_lanes(timeline: dict) -> list[str]:
     threads = {c["thread"] for c in timeline.get("collectives") or []}
     known = [t for t in (TRAINING_THREAD, *COMM_THREADS) if t in threads]
     return known + sorted(threads - set(known))
+
+
+def phase_lanes(timeline: dict) -> list[str]:
+    """The offload boundary's phases that ran in the step (`platform.ledger.BOUNDARY_PHASES`), one lane each."""
+    kinds = {p["kind"] for p in timeline.get("boundary_phases") or []}
+    return [kind for kind in BOUNDARY_PHASES if kind in kinds]
 
 
 def union_seconds(intervals) -> float:
@@ -89,9 +101,15 @@ def _draw_arm(ax, arm: str, entry: dict, colors: dict, say_where: bool) -> None:
     duration = timeline["duration_s"]
     collectives = timeline.get("collectives") or []
     waits = [(w["start"], w["end"]) for w in timeline.get("waits") or [] if w["end"] > w["start"]]
-    lanes = [TRAINING_LANE, *thread_lanes(timeline)]
+    phases = phase_lanes(timeline)
+    lanes = [TRAINING_LANE, *thread_lanes(timeline), *(PHASE_LANE + kind for kind in phases)]
     ys = {lane: len(lanes) - 1 - i for i, lane in enumerate(lanes)}  # top to bottom in lane order
     half = BAR_HEIGHT / 2
+    for kind in phases:
+        bars = [(p["start"], max(p["end"] - p["start"], 0.0)) for p in timeline["boundary_phases"]
+                if p["kind"] == kind]
+        ax.broken_barh(bars, (ys[PHASE_LANE + kind] - half, BAR_HEIGHT), facecolor=PHASE_COLOR,
+                       edgecolor=PHASE_COLOR, linewidth=0.5)
 
     y = ys[TRAINING_LANE]
     ax.broken_barh([(0.0, duration)], (y - half, BAR_HEIGHT), facecolor=COMPUTE_COLOR)
@@ -99,7 +117,7 @@ def _draw_arm(ax, arm: str, entry: dict, colors: dict, say_where: bool) -> None:
         # Edges in the fill colour keep waits of a few microseconds visible as lines.
         ax.broken_barh([(s, e - s) for s, e in waits], (y - half, BAR_HEIGHT), facecolor=WAIT_COLOR,
                        edgecolor=WAIT_COLOR, linewidth=0.5)
-    for thread in lanes[1:]:
+    for thread in lanes[1:len(lanes) - len(phases)]:
         y = ys[thread]
         mine = [c for c in collectives if c["thread"] == thread]
         for tag in sorted({c["tag"] for c in mine}):
@@ -155,7 +173,7 @@ def plot_timelines(arms: dict, path: Path) -> list[str]:
 
     timelines = [e["timeline"] for e in drawn.values()]
     colors = tag_colors(timelines)
-    lanes = [1 + len(thread_lanes(t)) for t in timelines]
+    lanes = [1 + len(thread_lanes(t)) + len(phase_lanes(t)) for t in timelines]
     fig, axes = _figure(len(drawn), sum(LANE_INCHES * n + TITLE_INCHES for n in lanes) + 1.6,
                         [n + TITLE_INCHES / LANE_INCHES for n in lanes])
     places = {_where(e) for e in drawn.values()}

@@ -90,8 +90,11 @@ def run_arm(payload: dict) -> dict:
                 engine.backward(loss)
             if micro == grad_accum - 1:
                 recorder.before_last_step()
+                recorder.boundary_begins()
             with ledger.phase("step"):
                 engine.step()
+            if micro == grad_accum - 1:
+                recorder.boundary_ends()
             # .item() only syncs this rank's own computation; it is not a collective.
             loss_sum += loss.item()
         recorder.end_step(loss_sum / grad_accum)

@@ -1,20 +1,27 @@
-"""With optimizer states on the host: the copy of summed gradient columns from the device's gradient shard into the
-host optimizer's fp32 gradients, inside the boundary's chunk jobs.
+"""With optimizer states on the host, the copies between the device's shards and the host optimizer's tensors, on
+the boundary's copy stream.
 
-A chunk's copy runs on the boundary flow's copy stream once that chunk's cross-node sum is done (an event recorded
-on the job's stream after the sum), so the copy of chunk k overlaps the exchange of chunk k+1 on the boundary's
-own stream. The copies of a window are waited for on the current stream (`wait`) before anything rewrites the own row; the
-host reads the gradients only after blocking on an event recorded there afterwards (`HostOffload.host_wait`).
-The gradient is cast to fp32 on the device first, as stock ZeRO-3 does before its copy, so 4 bytes per element
-cross to the host.
+To the host (`GradToHost`): the summed gradient columns of a chunk, from the gradient shard's own row into the host
+optimizer's fp32 gradients, inside the boundary's chunk job once the chunk's cross-node sum is done (an event
+recorded on the job's stream after the sum), so the copy of chunk k overlaps the exchange of chunk k+1. The
+gradient is cast to fp32 on the device first, as stock ZeRO-3 does before its copy, so 4 bytes per element cross
+to the host. The host reads a chunk's gradients only after blocking on that chunk's copy (`host_wait_chunks`, or
+all of them: `host_wait`); the current stream waits for every copy (`wait`) before anything rewrites the own row.
+
+Back to the device (`ParamsToDevice`): a stepped piece of the host's fp32 master weights, cast on the host into a
+pinned staging slot in the parameter dtype (so what crosses is the parameter's bytes, as stock's copy), then copied
+into the parameter shard's own row on the copy stream, never a blocking copy on the training thread. Two slots
+alternate: the host casts piece k+1 while piece k crosses, and blocks on a slot's previous copy before it
+rewrites it. The buffer notes the copy on the copy stream, so the piece's refresh waits for it.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import List, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
+from deepspeed.accelerator import get_accelerator
 
 from ..platform import ledger
 from ..platform import streams
@@ -29,14 +36,18 @@ class GradToHost:
         self.buffer = buffer
         self.copy_stream = copy_stream
         self._lock = threading.Lock()
-        self._done: List[object] = []     # events on the copy stream, one per chunk copied this window
+        self._done: Dict[int, object] = {}     # chunk index -> event on the copy stream after its copy, this window
 
-    def after_sum(self, segments: List[Segment]):
-        """The part of a chunk job that runs after the chunk's sum: copy `segments` to the host."""
+    def after_sum(self, index: int, segments: List[Segment]):
+        """The part of chunk `index`'s job that runs after the chunk's sum: copy `segments` to the host."""
         if not segments:
             return None
 
         def copy() -> None:
+            with ledger.boundary_phase("copy_out"):
+                copy_out()
+
+        def copy_out() -> None:
             summed = streams.record()         # the job's stream, after the sum
             with streams.use(self.copy_stream):
                 self._after(summed)
@@ -46,7 +57,7 @@ class GradToHost:
                     nbytes += host.numel() * host.element_size()
                 done = streams.record(self.copy_stream)
             with self._lock:
-                self._done.append(done)
+                self._done[index] = done
             ledger.note_host_copy("to_host", nbytes)
 
         return copy
@@ -56,8 +67,81 @@ class GradToHost:
         the host's reads of the previous window's host gradients)."""
         streams.wait(summed)
 
-    def wait(self) -> None:
-        """The current stream waits for every copy of the window (the chunk jobs themselves are done)."""
+    def host_wait_chunks(self, indices) -> None:
+        """Block until the copies of these chunks have ended (their jobs are done), before the host reads them."""
         with self._lock:
-            done, self._done = self._done, []
+            events = [self._done.get(i) for i in indices]
+        for event in events:
+            if event is not None:
+                event.synchronize()
+
+    def host_wait(self) -> None:
+        """Block until every copy of the window has ended."""
+        with self._lock:
+            indices = list(self._done)
+        self.host_wait_chunks(indices)
+
+    def wait(self) -> None:
+        """The current stream waits for every copy of the window (the chunk jobs themselves are done); the window's
+        copies are then forgotten."""
+        with self._lock:
+            done, self._done = list(self._done.values()), {}
         streams.wait(done)
+
+
+class ParamsToDevice:
+    SLOTS = 2
+
+    def __init__(self, copy_stream):
+        self.copy_stream = copy_stream
+        self._slots: List[torch.Tensor] = []
+        self._copied: List[object] = [None] * self.SLOTS   # per slot: event after its latest copy
+        self._next = 0
+        self._last = None                                  # event after the latest copy of all
+
+    def begin(self) -> None:
+        """Before the first piece of a step: the copy stream waits for what the current stream did to the own row
+        (its readers before the step: the previous refresh, the gathers, a checkpoint save)."""
+        streams.wait(streams.record(), self.copy_stream)
+
+    def copy(self, master: torch.Tensor, buffer: ShardedBuffer, start: int, zeroed: Sequence[Tuple[int, int]]) -> None:
+        """Copy `master` (host fp32, a stepped piece) into columns [start, start + numel) of `buffer`'s own row;
+        `zeroed` are column ranges inside it (the own atoms' padding) written as zeros, as after a whole step."""
+        with ledger.boundary_phase("copy_back"):
+            self._copy(master, buffer, start, zeroed)
+
+    def _copy(self, master, buffer, start, zeroed) -> None:
+        numel, dtype = master.numel(), buffer.data.dtype
+        slot = self._slot(numel, dtype)
+        staging = slot[:numel]
+        staging.copy_(master)                      # the cast, on the host
+        for lo, hi in zeroed:
+            staging[lo - start:hi - start].zero_()
+        with streams.use(self.copy_stream):
+            buffer.own[start:start + numel].copy_(staging, non_blocking=True)
+            buffer.note_host_access()              # the refresh of these columns waits for this copy
+            self._copied[self._next] = self._last = streams.record(self.copy_stream)
+        self._next = (self._next + 1) % self.SLOTS
+        ledger.note_host_copy("to_device", numel * staging.element_size())
+
+    def _slot(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """The next staging slot, free (its previous copy has ended) and holding at least `numel` elements."""
+        event = self._copied[self._next]
+        if event is not None:
+            event.synchronize()
+        if not self._slots or self._slots[0].numel() < numel or self._slots[0].dtype != dtype:
+            for other in self._copied:
+                if other is not None:
+                    other.synchronize()
+            self._slots = [get_accelerator().pin_memory(torch.empty(numel, dtype=dtype))
+                           for _ in range(self.SLOTS)]
+        return self._slots[self._next]
+
+    def end(self) -> None:
+        """After the last piece of a step: the current stream waits for the copies (it writes the own row next:
+        padding, a checkpoint load)."""
+        streams.wait(self._last)
+
+    def staging_bytes(self) -> int:
+        """Host bytes of the staging slots (pinned where the device has streams)."""
+        return sum(t.numel() * t.element_size() for t in self._slots)

@@ -191,6 +191,17 @@ class StepBoundary:
         """The indices of the gradient chunks that hold a parameter's columns (this window's chunking)."""
         return self._grad_chunks.of_param.get(ds_id, []) if self._grad_chunks is not None else []
 
+    def grad_chunks_in(self, start: int, end: int) -> List[int]:
+        """The indices of this window's gradient chunks that hold any of the columns [start, end)."""
+        if self._grad_chunks is None or end <= start:
+            return []
+        starts = self._grad_chunks.starts
+        return list(range(bisect.bisect_right(starts, start) - 1, bisect.bisect_left(starts, end)))
+
+    def chunk_ends(self, buffer: ShardedBuffer) -> List[int]:
+        """The end column of each chunk of `buffer` (its refresh's units), in column order."""
+        return [end for _, end in self._chunks(buffer).ranges]
+
     def _submit_grad_chunk(self, grads: GradShards, index: int, comm_dtype: torch.dtype) -> None:
         start, end = self._grad_chunks.ranges[index]
         segments = self._grad_chunks.segments[index]
@@ -202,12 +213,13 @@ class StepBoundary:
         def job() -> None:
             for reduction in dependencies:
                 reduction.wait()
-            self._reduce_chunk(grads.buffer, start, end, comm_dtype, segments)
-            if earlier is not None:
-                # A reopened window: its gradient before the reopening, added as Stage 3 adds into its partition.
-                # The copy is dropped after the step, from another stream: its memory waits for this one.
-                grads.buffer.data[grads.buffer.own_row, start:end].add_(earlier[start:end])
-                streams.keep_alive(earlier)
+            with ledger.boundary_phase("sum"):
+                self._reduce_chunk(grads.buffer, start, end, comm_dtype, segments)
+                if earlier is not None:
+                    # A reopened window: its gradient before the reopening, added as Stage 3 adds into its
+                    # partition. The copy is dropped after the step, from another stream: its memory waits for this.
+                    grads.buffer.data[grads.buffer.own_row, start:end].add_(earlier[start:end])
+                    streams.keep_alive(earlier)
             if after_sum is not None:
                 after_sum()
 
@@ -290,6 +302,10 @@ class StepBoundary:
         group, rows, own_row = self.groups.param_refresh, buffer.rows, buffer.own_row
 
         def job() -> None:
+            with ledger.boundary_phase("refresh"):
+                refresh()
+
+        def refresh() -> None:
             cols = end - start
             recv = self.scratch.get("param_recv", rows * cols, buffer.data.dtype, buffer.data.device)
             with ledger.tagged(f"{self.tag_prefix}.param_refresh"):

@@ -17,6 +17,7 @@ import time
 
 from ..platform import ledger
 from ..resolved_layout import LayoutSizes
+from .boundary import boundary_chunks, boundary_record
 from .memory import model_state_bytes
 
 LINK_DEVICE = "eth0"
@@ -127,7 +128,9 @@ def _timeline(comm_ledger, mark: int, start: float, end: float) -> dict:
                    for r in comm_ledger.since(mark) if r.started < end]
     waits = [{"start": max(s, start) - start, "end": min(e, end) - start, "what": what}
              for s, e, what in comm_ledger.waits_between(start, end)]
-    return {"duration_s": end - start, "collectives": collectives, "waits": waits}
+    phases = [{"kind": kind, "thread": thread, "start": s - start, "end": e - start}
+              for s, e, kind, thread in comm_ledger.boundary_phases_between(start, end)]
+    return {"duration_s": end - start, "collectives": collectives, "waits": waits, "boundary_phases": phases}
 
 
 def _per_step(totals: dict, steps: int) -> dict:
@@ -190,6 +193,9 @@ class StepRecorder:
         self.packet_counter = None if device is None else node_link_counter(device, "packets")
         self._barrier = barrier if read_link_counter else None
         self._quiesce = getattr(engine.optimizer, "hzp_quiesce_params", None)
+        self._chunks = boundary_chunks(engine)
+        self._offload = bool(engine.zero_cpu_offload())
+        self._boundary = None
         self.steps: list = []
         self._after_step = None     # the ledger's mark when the last step ended
         self._between = None
@@ -236,6 +242,16 @@ class StepRecorder:
         # CPU time of this rank's process (every thread of it): what the step cost the host, unlike wall time
         # barely moved by other load on a shared machine.
         self._open = (mark, tx, time.perf_counter(), time.process_time())
+        self._boundary = None
+
+    def boundary_begins(self) -> None:
+        """The window's last backward has returned."""
+        self._boundary = (time.perf_counter(), None)
+
+    def boundary_ends(self) -> None:
+        """The window's `engine.step()` has returned."""
+        if self._boundary is not None:
+            self._boundary = (self._boundary[0], time.perf_counter())
 
     def before_last_step(self) -> None:
         if self.index == self.total_steps - 1 and self.model_states is None:
@@ -250,6 +266,11 @@ class StepRecorder:
         comm = ledger.summary(mark)
         between = self._between or {}
         comm_ledger = ledger.get()
+        boundary = None
+        if self._boundary is not None and self._boundary[1] is not None:
+            b_start, b_end = self._boundary
+            phases = comm_ledger.boundary_phases_between(b_start, b_end)
+            boundary = boundary_record(b_start, b_end, phases, self._chunks) if phases or self._offload else None
         if self.index == self.timeline_step:
             self.timeline = _timeline(comm_ledger, mark, start, end)
         self._align()
@@ -277,6 +298,8 @@ class StepRecorder:
             # What the script issued on the training thread between the step before and this one's first forward
             # (the figures above count from that forward, as the times do).
             "between_steps": {key: between.get(key, 0) for key in ("intra_node", "inter_node", "calls")},
+            # Under optimizer offload: the step boundary's wall time, phases and critical path (`measure.boundary`).
+            "boundary": boundary,
         })
         self._after_step = ledger.mark()
         if self.index == self.steady_from:

@@ -25,6 +25,7 @@ from deepspeed.runtime.zero.partition_parameters import Init as _ZeroInit
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.utils import groups as _ds_groups
+import torch
 
 SUPPORTED_DEEPSPEED_VERSION = "0.19.8"
 
@@ -75,6 +76,10 @@ _REQUIRED_CLASS_MEMBERS = [
      "optimizer offload: the unmanaged boundary's copy, made once the window is summed"),
     (DeepSpeedZeroOptimizer_Stage3, "_reassign_or_swap_out_partitioned_parameters",
      "optimizer offload: a sub-group's host-to-device copy of the stepped parameters"),
+    (DeepSpeedZeroOptimizer_Stage3, "_optimizer_step", "optimizer offload: the host step of a sub-group"),
+    (DeepSpeedZeroOptimizer_Stage3, "unscale_and_clip_grads", "optimizer offload: the host gradients' scaling"),
+    (DeepSpeedZeroOptimizer_Stage3, "_unflatten_partitioned_parameters",
+     "optimizer offload: the partitions pointed at the flat buffer after a host step in pieces"),
 ]
 
 
@@ -277,6 +282,79 @@ def offload_reduced_since_step(optimizer: DeepSpeedZeroOptimizer_Stage3) -> set:
 def stage3_sub_groups(optimizer: DeepSpeedZeroOptimizer_Stage3):
     """Stage 3's trainable sub-groups (each one partition group), in the order of its flat buffers."""
     return optimizer.fp16_groups
+
+
+# DeepSpeedCPUAdam's members a host step in pieces calls (`host_adam_in_pieces`), and Stage 3's (set under offload
+# only), checked where they are first used.
+_CPU_ADAM_MEMBERS = ("ds_opt_adam", "opt_id", "fp32_optimizer_states", "state", "param_groups")
+_STAGE3_OFFLOAD_MEMBERS = ("subgroup_to_device", "sub_group_to_group_id", "torch_autocast_gradscaler", "zenflow",
+                           "use_muon", "loss_scale", "clip_grad", "fp32_partitioned_groups_flat")
+
+
+def host_step_in_pieces_refusal(optimizer: DeepSpeedZeroOptimizer_Stage3, sub_group_id: int) -> str | None:
+    """Why Stage 3's host step of a sub-group cannot be taken piece by piece (`host_adam_in_pieces`); None when
+    it can: DeepSpeedCPUAdam on the host, none of the paths that wrap or replace its step."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    host = optimizer.optimizer
+    if type(host) is not DeepSpeedCPUAdam:
+        return f"the host optimizer is {type(host).__name__}, not DeepSpeedCPUAdam"
+    missing = ([f"DeepSpeedCPUAdam.{m}" for m in _CPU_ADAM_MEMBERS if not hasattr(host, m)]
+               + [f"DeepSpeedZeroOptimizer_Stage3.{m}" for m in _STAGE3_OFFLOAD_MEMBERS if not hasattr(optimizer, m)])
+    if missing:
+        raise DeepSpeedInternalsError("ds_asynchzp cannot use the installed DeepSpeed: " + ", ".join(missing)
+                                      + " no longer set (the host step in pieces, async_hzp.offload_pipeline)")
+    if optimizer.subgroup_to_device[sub_group_id] != "cpu":
+        return "offload_optimizer.ratio keeps this sub-group's step on the device"
+    if optimizer.torch_autocast_gradscaler or optimizer.zenflow:
+        return "torch autocast's grad scaler or ZenFlow wraps the host step"
+    if optimizer.use_muon and optimizer.sub_groups_using_muon[sub_group_id]:
+        return "Muon steps this sub-group"
+    return None
+
+
+def host_adam_in_pieces(optimizer: DeepSpeedZeroOptimizer_Stage3, sub_group_id: int):
+    """Stage 3's host step of one sub-group (`_optimizer_step` -> DeepSpeedCPUAdam.step on its fp32 master),
+    cut into pieces: DeepSpeedCPUAdam's per-parameter bookkeeping once (its state made on first use, its step
+    counted), and a function `step(lo, hi)` that runs its update on elements [lo, hi) of the sub-group.
+
+    Each call passes the same step number: the C++ optimizer advances its bias corrections on the first and
+    keeps them for the others (cpu_adam.h `IncrementStep`), as for a whole sub-group after the first. Elements
+    stay on the path (vector body or scalar tail) the whole call gives them when every piece but the last starts
+    and ends at a multiple of the vector width from the sub-group's start. None when stock's step skips the
+    sub-group (no gradient)."""
+    host = optimizer.optimizer
+    param = offload_master(optimizer, sub_group_id)
+    if param.grad is None:
+        return None
+    group = host.param_groups[optimizer.sub_group_to_group_id[sub_group_id]]
+    state = host.state[param]
+    if len(state) == 0:
+        state_dtype = torch.float if host.fp32_optimizer_states else param.dtype
+        state["step"] = 0
+        state["exp_avg"] = torch.zeros_like(param.data, dtype=state_dtype, device=torch.device("cpu"))
+        state["exp_avg_sq"] = torch.zeros_like(param.data, dtype=state_dtype, device=torch.device("cpu"))
+    state["step"] += 1
+    beta1, beta2 = group["betas"]
+    data, grad, exp_avg, exp_avg_sq = param.data, param.grad.data, state["exp_avg"], state["exp_avg_sq"]
+
+    def step(lo: int, hi: int) -> None:
+        host.ds_opt_adam.adam_update(host.opt_id, state["step"], group["lr"], beta1, beta2, group["eps"],
+                                     group["weight_decay"], group["bias_correction"], data[lo:hi], grad[lo:hi],
+                                     exp_avg[lo:hi], exp_avg_sq[lo:hi])
+
+    return step
+
+
+def offload_master(optimizer: DeepSpeedZeroOptimizer_Stage3, sub_group_id: int):
+    """A sub-group's fp32 master weights on the host (their `.grad`: the host gradients)."""
+    return optimizer.fp32_partitioned_groups_flat[sub_group_id]
+
+
+def stage3_unflatten_sub_group(optimizer: DeepSpeedZeroOptimizer_Stage3, sub_group_id: int) -> None:
+    """The end of Stage 3's `_reassign_or_swap_out_partitioned_parameters` after its copy: each parameter's
+    partition points at its piece of the sub-group's flat buffer."""
+    optimizer._unflatten_partitioned_parameters(sub_group_id)
 
 
 # ------------------------------------------------------------------------------------------ parameter state

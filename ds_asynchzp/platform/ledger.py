@@ -166,6 +166,8 @@ class CommLedger:
         self.waits: List[tuple] = []   # (start, end, what): the training thread blocked on communication
         self.delays: List[tuple] = []  # (start, end): test-only latency injected around collectives (any thread)
         self.host_copies: List[tuple] = []  # (position among the records, "to_host" or "to_device", bytes)
+        # (start, end, kind, thread): the optimizer step boundary's phases under offload (`boundary_phase`)
+        self.boundary_phases: List[tuple] = []
         # Process-wide, not per thread: a communication thread's collective counts in the phase the training
         # thread is in when it is issued.
         self.phase = ""
@@ -229,6 +231,16 @@ class CommLedger:
             raise ValueError(f"a host copy goes to_host or to_device, not {direction!r}")
         with self._lock:
             self.host_copies.append((len(self.records), direction, int(nbytes)))
+
+    def note_boundary_phase(self, start: float, end: float, kind: str) -> None:
+        with self._lock:
+            self.boundary_phases.append((start, end, kind, threading.current_thread().name))
+
+    def boundary_phases_between(self, start: float, end: float) -> List[tuple]:
+        """The boundary phases that overlap [start, end), clipped to it."""
+        with self._lock:
+            return [(max(s, start), min(e, end), kind, thread) for s, e, kind, thread in self.boundary_phases
+                    if e > start and s < end]
 
     def note_delay(self, start: float, end: float) -> None:
         """An injected latency: part of communication, so it counts as busy time (and, on the training thread,
@@ -520,6 +532,25 @@ def note_host_copy(direction: str, nbytes: int) -> None:
     """Bytes copied between the device and host memory (optimizer offload), counted apart from collectives."""
     if _LEDGER is not None:
         _LEDGER.note_host_copy(direction, nbytes)
+
+
+# The phases of the optimizer step boundary under offload, timed on the host (on a device with streams a copy's
+# interval is its enqueue): the cross-node sum of a chunk, its copy to the host, the host step, the copy back to
+# the device, the parameter refresh of a chunk.
+BOUNDARY_PHASES = ("sum", "copy_out", "host_step", "copy_back", "refresh")
+
+
+@contextlib.contextmanager
+def boundary_phase(kind: str) -> Iterator[None]:
+    """Time the block as one busy interval of a boundary phase (`BOUNDARY_PHASES`), when a ledger is installed."""
+    if _LEDGER is None:
+        yield
+        return
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        _LEDGER.note_boundary_phase(start, time.perf_counter(), kind)
 
 
 def note_delay(start: float, end: float) -> None:

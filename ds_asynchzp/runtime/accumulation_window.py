@@ -29,12 +29,13 @@ class AccumulationWindow:
             self.hzp_read_agreement.read_starts_window_sum(what)
         self.hzp_finish_window()
 
-    def hzp_finish_window(self) -> None:
-        """Sum the window's gradients across nodes into the owners' atoms and wait (collective; idempotent)."""
+    def hzp_finish_window(self, in_step: bool = False) -> None:
+        """Sum the window's gradients across nodes into the owners' atoms and wait (collective; idempotent).
+        `in_step`: the step's own call; with offload, the copies to the host may still run after it."""
         self.hzp_start_window_reduction()
-        self._hzp_offload_window()
+        self._hzp_offload_window(copies_may_run=in_step)
 
-    def _hzp_offload_window(self, reopening: bool = False) -> None:
+    def _hzp_offload_window(self, reopening: bool = False, copies_may_run: bool = False) -> None:
         """Wait for every family's submitted sums, then (offload) copy and take the norms of what stock copies:
         those span every family, so none may be read before its own family's sum has ended."""
         for placement in self._hzp_trainable_placements():
@@ -42,12 +43,16 @@ class AccumulationWindow:
         for placement in self._hzp_trainable_placements():
             placement.boundary.wait_grads()
         if self.hzp_offload is not None:
-            self.hzp_offload.finish_window(on_side_stream=reopening)
+            self.hzp_offload.finish_window(on_side_stream=reopening, copies_may_run=copies_may_run)
             for placement in self._hzp_trainable_placements():
                 placement.grads.buffer.note_host_access()   # the next window's jobs write after these reads
 
     def _hzp_end_window(self) -> None:
         """After the step, or a zero_grad(): the own rows stay (they are Stage 3's gradient partitions)."""
+        if self.hzp_offload is not None:
+            self.hzp_offload.end_window()
+            for placement in self._hzp_trainable_placements():
+                placement.grads.buffer.note_host_access()   # the next window's jobs write after the copies' reads
         for placement in self._hzp_trainable_placements():
             placement.reduce.drain()
             placement.boundary.end_window()

@@ -65,7 +65,7 @@ class HostOffload:
                 host = offload_host_grad(self.optimizer, self._params[ds_id]).narrow(0, lo - c.offset, hi - lo)
                 segments.append((lo, hi, host))
                 self._copied.setdefault(ds_id, set()).add(index)
-            return copy.after_sum(segments)
+            return copy.after_sum(index, segments)
 
         return after_sum
 
@@ -86,12 +86,17 @@ class HostOffload:
                     self.pending.add(param.ds_id)
                     self._params[param.ds_id] = param
 
-    def finish_window(self, on_side_stream: bool = False) -> None:
-        """The window's chunk jobs are done: the current stream waits for their copies, any parameter marked after
-        its chunks were submitted is copied now, and the norms of the copied gradients are recorded (Stage 3's
-        order of parameters). The host reads them after `host_wait`. `on_side_stream`: called in a reopened window,
-        where the current stream is the side stream of DeepSpeed's backward hook."""
-        self.wait_copies()
+    def finish_window(self, on_side_stream: bool = False, copies_may_run: bool = False) -> None:
+        """The window's chunk jobs are done: any parameter marked after its chunks were submitted is copied now
+        (after the chunk copies), and the norms of the copied gradients are recorded (Stage 3's order of
+        parameters). The host reads the gradients after `host_wait` or `host_wait_columns`; the chunk copies may
+        still run meanwhile (the norms read the device's rows, as they do). `on_side_stream`: called in a reopened
+        window, where the current stream is the side stream of DeepSpeed's backward hook. `copies_may_run`: the
+        step's own call, after which nothing writes the own rows before the window ends (`end_window`); elsewhere
+        (a reader outside the step, a reopened window that zeroes the rows next) the current stream waits for the
+        copies here."""
+        if not copies_may_run:
+            self.wait_copies()
         if self._norms_on_side_stream and not on_side_stream:
             # Norms allocated on the hook's side stream are read by the step on this stream and freed after it:
             # their memory must not go back to the side stream before those reads (as stock's record_stream).
@@ -110,6 +115,8 @@ class HostOffload:
                 placement = self.placement_of(param.ds_id)
                 atom = placement.grads.buffer.own_atom(param)
                 if not set(placement.boundary.grad_chunks_of(param.ds_id)) <= self._copied.get(param.ds_id, set()):
+                    if not late:
+                        self.wait_copies()   # a chunk copy of this parameter may be writing the same host elements
                     host = offload_host_grad(self.optimizer, param)
                     host.copy_(atom.to(host.dtype), non_blocking=True)
                     late += host.numel() * host.element_size()
@@ -123,13 +130,32 @@ class HostOffload:
 
     def host_wait(self) -> None:
         """Block until the window's copies to the host have ended, before the host reads them (DeepSpeedCPUAdam,
-        the gradient accessors). In the step the norm's read has usually waited for them already."""
+        the gradient accessors)."""
+        self._host_wait_late()
+        for copy in self._copies.values():
+            copy.host_wait()
+
+    def host_wait_columns(self, placement, start: int, end: int) -> None:
+        """Block until the copies of the gradient columns [start, end) of `placement` have ended (and any copy made
+        on the training thread), before the host step of those columns reads them."""
+        self._host_wait_late()
+        copy = self._copies.get(id(placement))
+        if copy is not None:
+            copy.host_wait_chunks(placement.boundary.grad_chunks_in(start, end))
+
+    def _host_wait_late(self) -> None:
         if self._copied_event is not None:
             self._copied_event.synchronize()
             self._copied_event = None
 
+    def end_window(self) -> None:
+        """The step is over: the current stream waits for the window's copies before the next window rewrites the
+        rows they read."""
+        self.wait_copies()
+
     def wait_copies(self) -> None:
-        """The current stream waits for the copies submitted so far (they read the gradient shard's own row)."""
+        """The current stream waits for the copies submitted so far (they read the gradient shard's own row, which
+        the next window rewrites)."""
         for copy in self._copies.values():
             copy.wait()
 

@@ -61,6 +61,7 @@ from .buffer_bytes import BufferOwners
 from .checkpoint_hooks import CheckpointHooks
 from .gradient_readers import GradientReaders
 from .host_offload import HostOffload
+from .host_step_pipeline import PipelinedHostStep
 from .micro_step import MicroStepHooks
 from .optimizer_step import StepHooks
 from .placement import Family, Placement, families_of
@@ -92,6 +93,7 @@ class HierarchicalZeroOptimizer(ShardAdoption, MicroStepHooks, AccumulationWindo
         self._hzp_updated: set = set()   # parameters edited while gathered, until DeepSpeed re-partitions them
         kwargs["dp_process_group"] = self.hzp_dense.groups.optimizer.handle
         self.hzp_offload: Optional[HostOffload] = None
+        self.hzp_host_step: Optional[PipelinedHostStep] = None
         super().__init__(module, init_optimizer, *args, **kwargs)
         check_stage3_instance(self)
         if self.offload_optimizer and sizes.optimizer_shard_size < sizes.world_size:
@@ -125,6 +127,8 @@ class HierarchicalZeroOptimizer(ShardAdoption, MicroStepHooks, AccumulationWindo
         if self.offload_optimizer:
             self.hzp_offload = HostOffload(self, lambda ds_id: self._hzp_placement_of[ds_id],
                                            self.hzp_comm.copy_stream)
+            if scheduling.offload_pipeline:
+                self.hzp_host_step = PipelinedHostStep(self, self.hzp_comm.copy_stream, self._hzp_say_once)
         self._hzp_param_names = {p.ds_id: name for name, p in module.named_parameters() if is_zero_param(p)}
         for placement in self.hzp_placements:
             self._hzp_build_flows(placement, layout, device)
@@ -214,6 +218,13 @@ class HierarchicalZeroOptimizer(ShardAdoption, MicroStepHooks, AccumulationWindo
     def hzp_buffer_bytes(self) -> dict:
         """Bytes per rank of the package's own buffers beyond the model states, by kind (`buffer_bytes.KINDS`)."""
         return buffer_bytes.buffer_bytes(self)
+
+    def _hzp_say_once(self, key: str, message: str) -> None:
+        """Rank 0 prints `message` once (what the run does instead of an option, where that is stock's behaviour)."""
+        if key not in self._hzp_warned:
+            self._hzp_warned.add(key)
+            if ds_comm.get_rank() == 0:
+                print(f"[ds_asynchzp] {message}", flush=True)
 
     def _hzp_warn_once(self, key: str, message: str) -> None:
         if key not in self._hzp_warned:

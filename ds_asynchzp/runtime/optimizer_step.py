@@ -1,6 +1,7 @@
 """The optimizer step: Stage 3's step, run once the window is summed and the previous refresh has ended; its
 overflow check over every family; with optimizer offload, the host step sub-group by sub-group, each stepped
-sub-group's refresh begun as soon as it is back on the device (`host_offload.py` says what crosses); after the
+sub-group's refresh begun as soon as it is back on the device (`host_offload.py` says what crosses), or by default
+piece by piece, each piece's copy back and refresh under the next one's host step (`host_step_pipeline.py`); after the
 step, the refresh of the parameter shards in the background and the persistent parameters regathered.
 
 A mixin of `HierarchicalZeroOptimizer` (placed before Stage 3 in its bases), on the state its construction
@@ -9,19 +10,22 @@ builds and the accumulation window's methods (`accumulation_window.py`).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
-from ..platform import streams
+from ..platform import ledger, streams
 from ..platform.deepspeed_internals import (ds_comm, is_available, stage3_persistent_parameters,
-                                            stage3_side_stream, stage3_sub_groups)
+                                            stage3_side_stream, stage3_sub_groups, stage3_unflatten_sub_group)
 from . import buffer_trim
+from .host_step_pipeline import unscale_factor
 
 
 class StepHooks:
     def step(self, closure=None):
         self.hzp_partition_watch.check()
         self.hzp_gather.pause()
-        self.hzp_finish_window()
+        self.hzp_finish_window(in_step=True)
         # The previous refresh reads the own atoms the step is about to overwrite.
         for placement in self.hzp_placements:
             placement.boundary.wait_refresh()
@@ -61,13 +65,39 @@ class StepHooks:
             streams.wait(streams.record(), side)
 
     # ------------------------------------------------------------------------- the host step (offload)
+    def _hzp_in_pieces(self, sub_group_id) -> bool:
+        """Whether this sub-group's host step runs in pieces (`host_step_pipeline.py`)."""
+        return self.hzp_host_step is not None and self.hzp_host_step.takes(sub_group_id)
+
+    def _hzp_offload_phase(self, kind: str):
+        """A boundary phase's timing (`ledger.boundary_phase`) of Stage 3's whole-sub-group host step, under offload."""
+        return ledger.boundary_phase(kind) if self.hzp_offload is not None else contextlib.nullcontext()
+
     def _prepare_sub_group(self, sub_group_id, timer_names):
-        if self.hzp_offload is not None:
+        if self.hzp_offload is not None and not self._hzp_in_pieces(sub_group_id):
             self.hzp_offload.host_wait()   # DeepSpeedCPUAdam reads the host gradients: their copies have ended
         return super()._prepare_sub_group(sub_group_id, timer_names)
 
+    def unscale_and_clip_grads(self, sub_group_id, total_norm):
+        if not self._hzp_in_pieces(sub_group_id):
+            with self._hzp_offload_phase("host_step"):
+                return super().unscale_and_clip_grads(sub_group_id, total_norm)
+        # Each piece is scaled just before its host step, once its copy to the host has ended.
+        self.hzp_host_step.set_factor(unscale_factor(self.loss_scale, self.clip_grad, total_norm))
+
+    def _optimizer_step(self, sub_group_id):
+        if not self._hzp_in_pieces(sub_group_id):
+            with self._hzp_offload_phase("host_step"):
+                return super()._optimizer_step(sub_group_id)
+        self.hzp_host_step.step(sub_group_id)
+
     def _reassign_or_swap_out_partitioned_parameters(self, sub_group_id):
-        super()._reassign_or_swap_out_partitioned_parameters(sub_group_id)
+        if self._hzp_in_pieces(sub_group_id):
+            # Copied back and its refresh submitted piece by piece in `_optimizer_step`.
+            stage3_unflatten_sub_group(self, sub_group_id)
+            return
+        with self._hzp_offload_phase("copy_back"):
+            super()._reassign_or_swap_out_partitioned_parameters(sub_group_id)
         if self.hzp_offload is not None:
             # The host-to-device copy of the stepped sub-group into its columns of the own row: their refresh
             # starts now, while the host steps the next sub-group (the padding zeroed first, as after a step).
@@ -86,6 +116,8 @@ class StepHooks:
         # offload it also forgets the window's per-parameter gradient norms, as here.
         if self.hzp_offload is not None:
             self.reset_cpu_buffers()
+        if self.hzp_host_step is not None:
+            self.hzp_host_step.end_step()
         for placement in self._hzp_trainable_placements():
             if self.hzp_offload is None:   # with offload each sub-group's was zeroed, and its refresh began
                 placement.shards.zero_padding()

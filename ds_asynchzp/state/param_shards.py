@@ -9,7 +9,7 @@ dtypes.
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 
@@ -23,7 +23,8 @@ class ParamShards:
         self.rows = layout.param_rows
         self.own_row = layout.param_row_of_own_atom(dp_rank)
         self.own_atom_index = layout.own_atom(dp_rank)       # q: which atom of every parameter this rank owns
-        # (buffer, column, view): views of the own row past each parameter's end, at that parameter's column
+        # (buffer, column, first padding column, view): views of the own row past each parameter's end, with that
+        # parameter's column
         self._padding: List[tuple] = []
         self.shard_index = dp_rank % layout.param_shard_size   # j: this rank's index in its shard group
         self.buffers: List[ShardedBuffer] = []
@@ -36,7 +37,8 @@ class ParamShards:
             c = buffer.columns[param.ds_id]
             valid = max(0, min(c.atom, param.ds_numel - self.own_atom_index * c.atom))
             if valid < c.atom:
-                self._padding.append((buffer, c.offset, buffer.own.narrow(0, c.offset + valid, c.atom - valid)))
+                self._padding.append((buffer, c.offset, c.offset + valid,
+                                      buffer.own.narrow(0, c.offset + valid, c.atom - valid)))
         self.zero_padding()
         return buffer
 
@@ -47,7 +49,7 @@ class ParamShards:
         there. Unquantized gathers drop it, but a quantized one would let it into a block's absmax (a NaN
         there poisons the whole block), and its bytes would differ between runs. Every rank zeroes its own
         atoms, so every row of every shard, refreshed from its owner, holds zeros there."""
-        for _, _, view in self._padding:
+        for _, _, _, view in self._padding:
             view.zero_()
         for buffer in self.buffers:
             buffer.note_host_access()
@@ -55,10 +57,20 @@ class ParamShards:
     def zero_padding_in(self, buffer: ShardedBuffer, start: int, end: int) -> None:
         """`zero_padding` for the parameters of `buffer` whose columns begin in [start, end) only: what the step
         just wrote, while the refresh of other columns may still read them (optimizer offload)."""
-        for owner, column, view in self._padding:
+        for owner, column, _, view in self._padding:
             if owner is buffer and start <= column < end:
                 view.zero_()
         buffer.note_host_access()
+
+    def padding_in(self, buffer: ShardedBuffer, start: int, end: int) -> List[Tuple[int, int]]:
+        """The column ranges of `buffer`'s own-row padding (`zero_padding`) that fall in [start, end)."""
+        spans = []
+        for owner, _, first, view in self._padding:
+            if owner is buffer:
+                lo, hi = max(first, start), min(first + view.numel(), end)
+                if lo < hi:
+                    spans.append((lo, hi))
+        return spans
 
     def adopt_trainable(self, params_in_flat_order: Sequence[torch.nn.Parameter]) -> ShardedBuffer:
         """Take over Stage 3's partitions of these parameters: their contents become the own row of a new shard
