@@ -115,6 +115,8 @@ def case_spec(seed: int, worlds=((4, 2), (4, 4), (8, 4), (8, 2)), sequence_paral
     spec["offload"] = rng.random() < 0.3
     if rng.random() < 0.25 and sequence_parallel:
         with_sequence_parallelism(spec, rng.randrange(len(spec["model"]["blocks"]) + 1))
+    # Under offload, the host step in pieces (the default) or whole; drawn after everything else.
+    spec["offload_pipeline"] = rng.random() < 0.7
     return spec
 
 
@@ -131,7 +133,8 @@ def describe(spec: dict) -> str:
     return (f"seed {spec['seed']}: {spec['world']} ranks in nodes of {spec['node_size']}, d_p={layout['param_shard_size']} "
             f"d_g={layout['grad_shard_size']} d_o={layout['optimizer_shard_size']}, {spec['knob_name']} knobs "
             f"{spec['zero']}, gas {spec['gas']}, clip {spec['clip']}, async {spec['async_comm']}, "
-            f"tied {spec['model']['tied']}, offload {bool(spec.get('offload'))}, sp {spec.get('sp', 1)}, "
+            f"tied {spec['model']['tied']}, offload {bool(spec.get('offload'))}"
+            f"{'' if spec.get('offload_pipeline', True) else ' (host step whole)'}, sp {spec.get('sp', 1)}, "
             f"blocks {kinds}")
 
 

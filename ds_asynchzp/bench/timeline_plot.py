@@ -5,8 +5,9 @@ training thread: the whole step as compute, with the stretches it spent blocked 
 Below come one lane per thread that issued collectives (the training thread's own collectives first, then the
 communication threads), each collective a bar from issue to completion, coloured by its ledger tag and hatched
 when its group spans nodes; under optimizer offload, then one lane per phase of the step boundary (the cross-node
-sum, the copies to the host, the host step, the copies back, the refresh: `platform.ledger.boundary_phase`). Where communication is hidden, the bars sit on the communication threads' lanes while
-the training lane stays compute; where it is not, every bar is matched by a wait.
+sum, the copies to the host, the host step, the copies back, the refresh: `platform.ledger.boundary_phase`). Where
+communication is hidden, the bars sit on the communication threads' lanes while the training lane stays compute;
+where it is not, every bar is matched by a wait.
 
 The data is the ``timeline`` a worker records for step ``timeline_step`` (see `ds_asynchzp.bench.worker`): times
 in seconds relative to the step's start. Arms without one (older results.json files) are skipped with a note.

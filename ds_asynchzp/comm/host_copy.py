@@ -1,5 +1,5 @@
 """With optimizer states on the host, the copies between the device's shards and the host optimizer's tensors, on
-the boundary's copy stream.
+streams of their own.
 
 To the host (`GradToHost`): the summed gradient columns of a chunk, from the gradient shard's own row into the host
 optimizer's fp32 gradients, inside the boundary's chunk job once the chunk's cross-node sum is done (an event
@@ -10,7 +10,8 @@ all of them: `host_wait`); the current stream waits for every copy (`wait`) befo
 
 Back to the device (`ParamsToDevice`): a stepped piece of the host's fp32 master weights, cast on the host into a
 pinned staging slot in the parameter dtype (so what crosses is the parameter's bytes, as stock's copy), then copied
-into the parameter shard's own row on the copy stream, never a blocking copy on the training thread. Two slots
+into the parameter shard's own row on a stream of its own (not behind the window's last copies to the host), never a
+blocking copy on the training thread. Two slots
 alternate: the host casts piece k+1 while piece k crosses, and blocks on a slot's previous copy before it
 rewrites it. The buffer notes the copy on the copy stream, so the piece's refresh waits for it.
 """
@@ -94,15 +95,27 @@ class ParamsToDevice:
 
     def __init__(self, copy_stream):
         self.copy_stream = copy_stream
-        self._slots: List[torch.Tensor] = []
-        self._copied: List[object] = [None] * self.SLOTS   # per slot: event after its latest copy
+        self._slots: Dict[torch.dtype, List[torch.Tensor]] = {}   # per parameter dtype: the pinned slots
+        self._copied: List[object] = [None] * self.SLOTS           # per slot index: event after its latest copy
         self._next = 0
-        self._last = None                                  # event after the latest copy of all
+        self._last = None                                          # event after the latest copy of all
 
     def begin(self) -> None:
         """Before the first piece of a step: the copy stream waits for what the current stream did to the own row
         (its readers before the step: the previous refresh, the gathers, a checkpoint save)."""
         streams.wait(streams.record(), self.copy_stream)
+
+    def reserve(self, numel: int, dtype: torch.dtype) -> None:
+        """Slots of `dtype` for pieces of up to `numel` elements, made before the pieces (pinning is slow, and a
+        slot replaced while its copy runs would have to be waited for). Grows only."""
+        slots = self._slots.get(dtype)
+        if slots and slots[0].numel() >= numel:
+            return
+        for event in self._copied:
+            if event is not None:
+                event.synchronize()
+        self._slots[dtype] = [get_accelerator().pin_memory(torch.empty(numel, dtype=dtype))
+                              for _ in range(self.SLOTS)]
 
     def copy(self, master: torch.Tensor, buffer: ShardedBuffer, start: int, zeroed: Sequence[Tuple[int, int]]) -> None:
         """Copy `master` (host fp32, a stepped piece) into columns [start, start + numel) of `buffer`'s own row;
@@ -112,8 +125,11 @@ class ParamsToDevice:
 
     def _copy(self, master, buffer, start, zeroed) -> None:
         numel, dtype = master.numel(), buffer.data.dtype
-        slot = self._slot(numel, dtype)
-        staging = slot[:numel]
+        self.reserve(numel, dtype)
+        event = self._copied[self._next]
+        if event is not None:
+            event.synchronize()                    # the slot's previous copy has ended
+        staging = self._slots[dtype][self._next][:numel]
         staging.copy_(master)                      # the cast, on the host
         for lo, hi in zeroed:
             staging[lo - start:hi - start].zero_()
@@ -124,19 +140,6 @@ class ParamsToDevice:
         self._next = (self._next + 1) % self.SLOTS
         ledger.note_host_copy("to_device", numel * staging.element_size())
 
-    def _slot(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """The next staging slot, free (its previous copy has ended) and holding at least `numel` elements."""
-        event = self._copied[self._next]
-        if event is not None:
-            event.synchronize()
-        if not self._slots or self._slots[0].numel() < numel or self._slots[0].dtype != dtype:
-            for other in self._copied:
-                if other is not None:
-                    other.synchronize()
-            self._slots = [get_accelerator().pin_memory(torch.empty(numel, dtype=dtype))
-                           for _ in range(self.SLOTS)]
-        return self._slots[self._next]
-
     def end(self) -> None:
         """After the last piece of a step: the current stream waits for the copies (it writes the own row next:
         padding, a checkpoint load)."""
@@ -144,4 +147,4 @@ class ParamsToDevice:
 
     def staging_bytes(self) -> int:
         """Host bytes of the staging slots (pinned where the device has streams)."""
-        return sum(t.numel() * t.element_size() for t in self._slots)
+        return sum(t.numel() * t.element_size() for slots in self._slots.values() for t in slots)

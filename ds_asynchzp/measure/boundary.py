@@ -5,11 +5,13 @@ phases allow.
 
 The critical path is what the boundary would take if this arm's own phase times were arranged as the dependencies
 allow and nothing else waited: the exchange's tail S (the sums' busy time in the window), then the copy to the host
-of its last chunk (O / n: the copies of the others overlap the exchange), then the training thread's own work in the
-step (`other`: the window's time in which no phase ran: the norms, Stage 3's bookkeeping), then the whole host step
-H (its pieces run one after another on the host), then the copy back of the last piece (B / n). The refresh is not
-on it: the step returns once the last piece is copied back, and each chunk's refresh runs on after it, under the
-next forward. The host step waits for the whole exchange with clipping and without it alike: DeepSpeed 0.19.8 skips
+of its last chunk (the window's last copy_out interval: the copies of the others overlap the exchange), then the
+training thread's own work in the step (`other`: the window's time in which no phase ran on any thread: the norms,
+Stage 3's bookkeeping; work of the training thread that overlapped another thread's phase is not in it, so the path
+is a lower bound), then the whole host step H (its pieces run one after another on the host), then the copy back
+of the last piece (B / n, n the chunks of the trainable parameter buffer, which the pipeline's pieces follow). The
+refresh is not on it: the step returns once the last piece is copied back, and each chunk's refresh runs on after
+it, under the next forward. The host step waits for the whole exchange with clipping and without it alike: DeepSpeed 0.19.8 skips
 a step whose global gradient norm is not finite in every precision, so no piece may step before the norm is known.
 n is the number of chunks of the trainable parameter buffer (the pipeline's pieces). All times are host clocks:
 on a CPU rank they are the work itself; on a GPU a copy's interval is its enqueue.
@@ -47,10 +49,11 @@ def boundary_record(start: float, end: float, phases: List[tuple], chunks: Optio
     busy = {kind: union_seconds([(s, e) for s, e, k, _ in phases if k == kind]) for kind in BOUNDARY_PHASES}
     wall = end - start
     other = max(0.0, wall - union_seconds([(s, e) for s, e, _, _ in phases]))
+    copies_out = [(e, e - s) for s, e, k, _ in phases if k == "copy_out"]
+    last_copy_out = max(copies_out)[1] if copies_out else 0.0
     critical = None
     if chunks:
-        critical = (busy["sum"] + busy["copy_out"] / chunks + other + busy["host_step"]
-                    + busy["copy_back"] / chunks)
+        critical = busy["sum"] + last_copy_out + other + busy["host_step"] + busy["copy_back"] / chunks
     return {"wall_s": wall, "phase_s": busy, "other_s": other, "chunks": chunks, "critical_path_s": critical}
 
 

@@ -196,6 +196,7 @@ _STAGE3_INSTANCE_ATTRIBUTES = [
     ("grad_position", "optimizer offload: where a parameter's gradient sits in its sub-group's host gradient"),
     ("fp32_partitioned_groups_flat", "optimizer offload: the host master weights, whose .grad receives gradients"),
     ("_constant_buffered_norm2", "optimizer offload: the per-parameter gradient norm"),
+    ("use_muon", "optimizer offload: Muon reads the host gradients before the host step"),
     ("sequence_parallel_size", "Ulysses SP's degree: the reduce_scatter=false path divides by world / sp"),
 ]
 
@@ -284,15 +285,15 @@ def stage3_sub_groups(optimizer: DeepSpeedZeroOptimizer_Stage3):
     return optimizer.fp16_groups
 
 
-# DeepSpeedCPUAdam's members a host step in pieces calls (`host_adam_in_pieces`), and Stage 3's (set under offload
+# DeepSpeedCPUAdam's member a host step in pieces swaps (`cpu_adam_update_in_pieces`), and Stage 3's (set under offload
 # only), checked where they are first used.
-_CPU_ADAM_MEMBERS = ("ds_opt_adam", "opt_id", "fp32_optimizer_states", "state", "param_groups")
-_STAGE3_OFFLOAD_MEMBERS = ("subgroup_to_device", "sub_group_to_group_id", "torch_autocast_gradscaler", "zenflow",
-                           "use_muon", "loss_scale", "clip_grad", "fp32_partitioned_groups_flat")
+_CPU_ADAM_MEMBERS = ("ds_opt_adam",)
+_STAGE3_OFFLOAD_MEMBERS = ("subgroup_to_device", "torch_autocast_gradscaler", "zenflow", "loss_scale", "clip_grad",
+                           "fp32_partitioned_groups_flat")
 
 
 def host_step_in_pieces_refusal(optimizer: DeepSpeedZeroOptimizer_Stage3, sub_group_id: int) -> str | None:
-    """Why Stage 3's host step of a sub-group cannot be taken piece by piece (`host_adam_in_pieces`); None when
+    """Why Stage 3's host step of a sub-group cannot be taken piece by piece (`cpu_adam_update_in_pieces`); None when
     it can: DeepSpeedCPUAdam on the host, none of the paths that wrap or replace its step."""
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -308,42 +309,42 @@ def host_step_in_pieces_refusal(optimizer: DeepSpeedZeroOptimizer_Stage3, sub_gr
         return "offload_optimizer.ratio keeps this sub-group's step on the device"
     if optimizer.torch_autocast_gradscaler or optimizer.zenflow:
         return "torch autocast's grad scaler or ZenFlow wraps the host step"
-    if optimizer.use_muon and optimizer.sub_groups_using_muon[sub_group_id]:
-        return "Muon steps this sub-group"
     return None
 
 
-def host_adam_in_pieces(optimizer: DeepSpeedZeroOptimizer_Stage3, sub_group_id: int):
-    """Stage 3's host step of one sub-group (`_optimizer_step` -> DeepSpeedCPUAdam.step on its fp32 master),
-    cut into pieces: DeepSpeedCPUAdam's per-parameter bookkeeping once (its state made on first use, its step
-    counted), and a function `step(lo, hi)` that runs its update on elements [lo, hi) of the sub-group.
+@contextlib.contextmanager
+def cpu_adam_update_in_pieces(optimizer: DeepSpeedZeroOptimizer_Stage3, run_pieces: Callable) -> Iterator[None]:
+    """Inside, Stage 3's host step of a sub-group runs as it is (`_optimizer_step` -> DeepSpeedCPUAdam.step: its
+    state, step count, torch's step hooks), except that DeepSpeedCPUAdam's one call of its C++ update goes to
+    `run_pieces(update)`, where `update(lo, hi)` runs that call on elements [lo, hi) of the sub-group. No call (a
+    sub-group without gradient, which stock skips) leaves `run_pieces` uncalled.
 
-    Each call passes the same step number: the C++ optimizer advances its bias corrections on the first and
-    keeps them for the others (cpu_adam.h `IncrementStep`), as for a whole sub-group after the first. Elements
-    stay on the path (vector body or scalar tail) the whole call gives them when every piece but the last starts
-    and ends at a multiple of the vector width from the sub-group's start. None when stock's step skips the
-    sub-group (no gradient)."""
+    Every call passes the step's number: the C++ optimizer advances its bias corrections on the first and keeps
+    them for the others (cpu_adam.h `IncrementStep`). An element stays on the path (vector body or scalar tail)
+    the whole call gives it when every piece but the last starts and ends at a multiple of the vector width from
+    the sub-group's start."""
     host = optimizer.optimizer
-    param = offload_master(optimizer, sub_group_id)
-    if param.grad is None:
-        return None
-    group = host.param_groups[optimizer.sub_group_to_group_id[sub_group_id]]
-    state = host.state[param]
-    if len(state) == 0:
-        state_dtype = torch.float if host.fp32_optimizer_states else param.dtype
-        state["step"] = 0
-        state["exp_avg"] = torch.zeros_like(param.data, dtype=state_dtype, device=torch.device("cpu"))
-        state["exp_avg_sq"] = torch.zeros_like(param.data, dtype=state_dtype, device=torch.device("cpu"))
-    state["step"] += 1
-    beta1, beta2 = group["betas"]
-    data, grad, exp_avg, exp_avg_sq = param.data, param.grad.data, state["exp_avg"], state["exp_avg_sq"]
+    op = host.ds_opt_adam
 
-    def step(lo: int, hi: int) -> None:
-        host.ds_opt_adam.adam_update(host.opt_id, state["step"], group["lr"], beta1, beta2, group["eps"],
-                                     group["weight_decay"], group["bias_correction"], data[lo:hi], grad[lo:hi],
-                                     exp_avg[lo:hi], exp_avg_sq[lo:hi])
+    class PiecewiseOp:
+        def __getattr__(self, name):
+            return getattr(op, name)
 
-    return step
+        @staticmethod
+        def adam_update(*args):
+            head, tensors = args[:-4], args[-4:]   # ..., params, grads, exp_avg, exp_avg_sq
+            run_pieces(lambda lo, hi: op.adam_update(*head, *(t[lo:hi] for t in tensors)))
+
+    host.ds_opt_adam = PiecewiseOp()
+    try:
+        yield
+    finally:
+        host.ds_opt_adam = op
+
+
+def uses_muon(optimizer: DeepSpeedZeroOptimizer_Stage3) -> bool:
+    """Whether Stage 3 orthogonalises gradients with Muon before its step (it reads the host gradients first)."""
+    return bool(optimizer.use_muon)
 
 
 def offload_master(optimizer: DeepSpeedZeroOptimizer_Stage3, sub_group_id: int):

@@ -3,13 +3,15 @@ each piece's copy back and refresh running under the host step of the next.
 
 Stage 3 steps a sub-group whole: DeepSpeedCPUAdam over all of it, then a blocking copy of the stepped master
 weights into the parameter shard's own row, then (here) the sub-group's refresh. While a rank's shard fits one
-`sub_group_size` (1e9 elements by default) that is one sub-group, so nothing overlaps the host step. Here the
-sub-group is cut into pieces at the refresh's chunk edges, and for each piece in column order:
+`sub_group_size` (1e9 elements by default) that is one sub-group, so nothing overlaps the host step. Here Stage 3's
+step of the sub-group runs as it is (DeepSpeedCPUAdam.step: its state, step count and torch's step hooks), and its
+one call of the C++ update is cut into pieces at the refresh's chunk edges
+(`deepspeed_internals.cpu_adam_update_in_pieces`). For each piece in column order:
 
 1. the host blocks until the copies to the host of the gradient chunks that hold it have ended;
 2. its gradients are scaled (Stage 3's unscale and clip factor, the same value for every piece);
-3. DeepSpeedCPUAdam steps it (`deepspeed_internals.host_adam_in_pieces`);
-4. it is cast into a pinned staging slot in the parameter dtype and copied into the own row on the copy stream
+3. the C++ update steps it;
+4. it is cast into a pinned staging slot in the parameter dtype and copied into the own row on the copy-back stream
    (`comm.host_copy.ParamsToDevice`), its padding zeroed in the slot;
 5. the refresh of every chunk it completes is submitted (`StepBoundary.refresh_through`): its job waits for the
    copy by the buffer's event.
@@ -25,13 +27,13 @@ gradient norm first in every precision and skips the step when it is not finite 
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional
 
 import torch
 
 from ..comm.host_copy import ParamsToDevice
 from ..platform import ledger
-from ..platform.deepspeed_internals import (host_adam_in_pieces, host_step_in_pieces_refusal, offload_master,
+from ..platform.deepspeed_internals import (cpu_adam_update_in_pieces, host_step_in_pieces_refusal, offload_master,
                                             stage3_sub_groups)
 
 # Elements: a multiple of every vector width DeepSpeed's CPU Adam is built for (AVX-512: 16 fp32, AVX2: 8,
@@ -64,9 +66,9 @@ def unscale_factor(loss_scale, clip_grad: float, total_norm):
 class PipelinedHostStep:
     """The host step in pieces of the sub-groups that allow it (`host_step_in_pieces_refusal`), for one optimizer."""
 
-    def __init__(self, optimizer, copy_stream, say_once):
+    def __init__(self, optimizer, copy_back_stream, say_once):
         self.optimizer = optimizer
-        self.to_device = ParamsToDevice(copy_stream)
+        self.to_device = ParamsToDevice(copy_back_stream)
         self._say_once = say_once
         self._refusals: Dict[int, Optional[str]] = {}
         self._factor = None          # this step's unscale factor (`unscale_and_clip_grads`)
@@ -82,36 +84,53 @@ class PipelinedHostStep:
                                "such sub-group whole and copies it back as stock ZeRO-3 does")
         return self._refusals[sub_group_id] is None
 
+    def begin_step(self) -> None:
+        """Before Stage 3's step. A step that raised left its copies back unwaited: the current stream waits now."""
+        self.end_step()
+
     def set_factor(self, factor) -> None:
         self._factor = factor
 
-    def step(self, sub_group_id: int) -> None:
-        """Stage 3's `_optimizer_step` and the copy back of one sub-group, piece by piece."""
+    def step(self, sub_group_id: int, stage3_step: Callable[[int], None]) -> None:
+        """Stage 3's `_optimizer_step` of one sub-group (`stage3_step`), its C++ update piece by piece, each piece
+        copied back and its chunks' refresh submitted as soon as it is stepped."""
         opt = self.optimizer
         first = stage3_sub_groups(opt)[sub_group_id][0]
         placement = opt._hzp_placement_of[first.ds_id]
         buffer = placement.trainable
         start = buffer.columns[first.ds_id].offset
         master = offload_master(opt, sub_group_id)
-        end = start + master.numel()
-        adam = host_adam_in_pieces(opt, sub_group_id)
+        edges = piece_edges(start, start + master.numel(), placement.boundary.chunk_ends(buffer))
+        self.to_device.reserve(max(hi - lo for lo, hi in zip([start, *edges], edges)), buffer.data.dtype)
         if not self._began:
             self.to_device.begin()
             self._began = True
-        lo = start
-        for hi in piece_edges(start, end, placement.boundary.chunk_ends(buffer)):
-            opt.hzp_offload.host_wait_columns(placement, lo, hi)
-            if adam is not None:
+        done = []
+
+        def run_pieces(update) -> None:
+            self._pieces(placement, start, edges, master, update)
+            done.append(True)
+
+        with cpu_adam_update_in_pieces(opt, run_pieces):
+            stage3_step(sub_group_id)
+        if not done:   # stock's step skipped the sub-group (no gradient): its weights still go back, unchanged
+            self._pieces(placement, start, edges, master, None)
+
+    def _pieces(self, placement, start: int, edges: List[int], master: torch.Tensor, update) -> None:
+        buffer, lo = placement.trainable, start
+        for hi in edges:
+            if update is not None:
+                self.optimizer.hzp_offload.host_wait_columns(placement, lo, hi)
                 with ledger.boundary_phase("host_step"):
                     master.grad[lo - start:hi - start].mul_(self._factor)
-                    adam(lo - start, hi - start)
+                    update(lo - start, hi - start)
             self.to_device.copy(master.data[lo - start:hi - start], buffer, lo,
                                 placement.shards.padding_in(buffer, lo, hi))
             placement.boundary.refresh_through(buffer, hi)
             lo = hi
 
     def end_step(self) -> None:
-        """After the step's last sub-group: the current stream waits for the copies back."""
+        """After the step's last sub-group (or a step that raised): the current stream waits for the copies back."""
         if self._began:
             self.to_device.end()
             self._began = False

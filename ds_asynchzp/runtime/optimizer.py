@@ -128,7 +128,7 @@ class HierarchicalZeroOptimizer(ShardAdoption, MicroStepHooks, AccumulationWindo
             self.hzp_offload = HostOffload(self, lambda ds_id: self._hzp_placement_of[ds_id],
                                            self.hzp_comm.copy_stream)
             if scheduling.offload_pipeline:
-                self.hzp_host_step = PipelinedHostStep(self, self.hzp_comm.copy_stream, self._hzp_say_once)
+                self.hzp_host_step = PipelinedHostStep(self, self.hzp_comm.copy_back_stream, self._hzp_say_once)
         self._hzp_param_names = {p.ds_id: name for name, p in module.named_parameters() if is_zero_param(p)}
         for placement in self.hzp_placements:
             self._hzp_build_flows(placement, layout, device)

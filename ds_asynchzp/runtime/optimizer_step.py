@@ -16,7 +16,8 @@ import torch
 
 from ..platform import ledger, streams
 from ..platform.deepspeed_internals import (ds_comm, is_available, stage3_persistent_parameters,
-                                            stage3_side_stream, stage3_sub_groups, stage3_unflatten_sub_group)
+                                            stage3_side_stream, stage3_sub_groups, stage3_unflatten_sub_group,
+                                            uses_muon)
 from . import buffer_trim
 from .host_step_pipeline import unscale_factor
 
@@ -32,9 +33,15 @@ class StepHooks:
         # Every flow is quiet here, once per step (also when the step is skipped for an overflow).
         buffer_trim.trim_buffers(self)
         self._hzp_in_step = True
+        if self.hzp_host_step is not None:
+            self.hzp_host_step.begin_step()
+        if self.hzp_offload is not None and uses_muon(self):
+            self.hzp_offload.host_wait()   # Muon rewrites the host gradients before the sub-groups' steps
         try:
             return super().step(closure)
         except BaseException:
+            if self.hzp_host_step is not None:
+                self.hzp_host_step.end_step()             # copies back it began finish before anything else
             for placement in self.hzp_placements:
                 placement.boundary.drop_open_refresh()   # a refresh begun by the failed step is not resumed
             raise
@@ -89,7 +96,7 @@ class StepHooks:
         if not self._hzp_in_pieces(sub_group_id):
             with self._hzp_offload_phase("host_step"):
                 return super()._optimizer_step(sub_group_id)
-        self.hzp_host_step.step(sub_group_id)
+        self.hzp_host_step.step(sub_group_id, super()._optimizer_step)
 
     def _reassign_or_swap_out_partitioned_parameters(self, sub_group_id):
         if self._hzp_in_pieces(sub_group_id):

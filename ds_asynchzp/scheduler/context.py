@@ -6,7 +6,8 @@ Three communication threads, one per flow of a step, so that one flow never wait
 * `reduce`: the per-micro-step gradient reduce-scatters (d_g group), one job per gradient bucket as it fills;
 * `boundary`: the once-per-step cross-node work (gradient sum into the owners, optimizer-replica all-reduce,
   parameter refresh), overlapped with the last backward and the next forward; with optimizer offload its jobs also
-  copy each summed chunk to the host, on a second stream (`copy_stream`).
+  copy each summed chunk to the host, on a second stream (`copy_stream`), and the host step copies each stepped
+  piece back on a third (`copy_back_stream`).
 
 Each issues only on its own process groups (`platform.process_groups.OWNER`). On a device with streams each
 has its own stream, at high priority, so its collectives and copies run beside compute; events order them (see
@@ -68,8 +69,10 @@ class CommContext:
             else:
                 self.runners[flow] = InlineRunner(flow, timeout_s, self.order, stream, diagnose=self.monitor.explain)
         # With optimizer offload, the boundary's copies to the host run on a stream of their own, so that a chunk's
-        # copy overlaps the next chunk's exchange on the boundary stream.
+        # copy overlaps the next chunk's exchange on the boundary stream; the stepped pieces' copies back on
+        # another, so that they do not queue behind the window's last copies to the host.
         self.copy_stream = streams.new_stream(device) if host_copies else None
+        self.copy_back_stream = streams.new_stream(device) if host_copies else None
         self.order.guard_backend()
         self.monitor.start()
         _LIVE.add(self)
@@ -98,6 +101,7 @@ class CommContext:
         for runner in self.runners.values():
             streams.synchronize(runner.stream)
         streams.synchronize(self.copy_stream)
+        streams.synchronize(self.copy_back_stream)
         self.order.release_backend()
         self.monitor.close()
         _LIVE.discard(self)
