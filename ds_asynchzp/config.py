@@ -151,11 +151,11 @@ class AsyncHZPConfig(BaseModel):
     offload_pipeline: bool = Field(
         True,
         description="With zero_optimization.offload_optimizer on the host: step the host optimizer (DeepSpeedCPUAdam) "
-        "chunk by chunk of the cross-node exchange, each stepped chunk copied back to the device on the copy stream "
-        "through a pinned staging buffer in the parameter dtype and its refresh submitted at once, so the copies "
-        "back and the refresh run under the host step of the next chunks. The same values, bit for bit, as false, "
-        "which steps each sub-group whole and copies it back as stock ZeRO-3 does (a blocking copy). Ignored "
-        "without optimizer offload.",
+        "in pieces of the cross-node exchange's chunks (at least 2^22 elements each), each stepped piece copied "
+        "back to the device on a stream of its own through a pinned staging buffer in the parameter dtype and its "
+        "refresh submitted at once, so the copies back and the refresh run under the host step of the next pieces. "
+        "The same values, bit for bit, as false, which steps each sub-group whole and copies it back as stock "
+        "ZeRO-3 does (a blocking copy). Ignored without optimizer offload.",
     )
     comm_timeout_s: Optional[float] = Field(
         None,

@@ -60,7 +60,8 @@ def planted(name):
     if name == "unaligned_pieces":
         # Pieces cut exactly at the chunk edges, not at multiples of the vector width from the sub-group's start.
         original = host_step_pipeline.piece_edges
-        host_step_pipeline.piece_edges = lambda start, end, ends: original(start, end, ends, alignment=1)
+        host_step_pipeline.piece_edges = lambda start, end, ends, **kw: original(start, end, ends,
+                                                                                 **dict(kw, alignment=1))
         try:
             yield
         finally:
@@ -71,8 +72,12 @@ def planted(name):
 
 def run_pipeline_cases(payload: dict) -> dict:
     deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=_fuzz_workers.WORLD_TIMEOUT_S))
+    from ds_asynchzp.runtime import host_step_pipeline
+
     results = {}
     for spec in payload["cases"]:
+        # The test's models are small: pieces as small as the chunks, so that a sub-group makes several.
+        host_step_pipeline.MIN_PIECE_ELEMENTS = spec.get("min_piece_elements", host_step_pipeline.MIN_PIECE_ELEMENTS)
         stock = _fuzz_workers._train(spec, hierarchical=False)
         with planted(spec.get("plant")):
             pipelined, counts = _pieces_per_step(spec)

@@ -34,7 +34,8 @@ def _case(name, layout, gas, clip, bf16=False, zero=None):
     return {"name": name, "seed": 7, "world": 4, "node_size": 2, "layout": layout, "knob_name": "test",
             "zero": dict({"sub_group_size": 1200}, **(zero or {})), "gas": gas, "clip": clip, "steps": 4,
             "async_comm": True, "model": MODEL, "gathered_read_at": 1, "modify_at": None, "lr": 1e-2,
-            "weight_decay": 0.01, "offload": True, "bf16": bf16, "boundary_bucket_size": 256}
+            "weight_decay": 0.01, "offload": True, "bf16": bf16, "boundary_bucket_size": 256,
+            "min_piece_elements": 64}
 
 
 CASES = [_case("same_order_ga4_clip", SAME_ORDER, 4, 1.0),
@@ -57,6 +58,13 @@ def results():
 def test_piece_edges_fall_on_the_vector_width_from_the_sub_group_start():
     assert piece_edges(100, 1000, [300, 310, 700, 1000, 1200], alignment=64) == [292, 676, 1000]
     assert piece_edges(0, 50, [10, 20], alignment=64) == [50]          # no aligned edge inside: one piece
+
+
+def test_pieces_hold_at_least_the_floor_and_leave_at_least_it_to_the_end():
+    ends = list(range(100, 2001, 100))
+    assert piece_edges(0, 2000, ends, alignment=1, min_elements=450) == [500, 1000, 1500, 2000]
+    assert piece_edges(0, 2000, ends, alignment=1, min_elements=800) == [800, 2000]   # 1600 would leave 400
+    assert piece_edges(0, 2000, ends, alignment=1, min_elements=1500) == [2000]
 
 
 @pytest.mark.parametrize("name", [c["name"] for c in CASES])

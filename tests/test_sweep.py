@@ -113,3 +113,21 @@ def test_plan_check_reads_a_sweep(tmp_path, monkeypatch, capsys):
 ])
 def test_every_collective_has_one_flow(op, tag, phase, flow):
     assert flows.flow_of(op, tag, phase) == flow
+
+
+def test_a_sweep_without_the_reference_arm_writes_its_table_and_skips_the_plot(tmp_path, monkeypatch, capsys):
+    """An A/B of two AsyncHZP arms at several rates (no zero3 to plot a speed-up over) ends cleanly."""
+    import argparse
+
+    fake = _fake_sweep(monkeypatch, {"asynchzp": 0.8, "asynchzp:param_shard_size=1": 0.9})
+    del fake["results"]["unlimited"]["arms"]["zero3"]
+
+    def run_one(args):
+        rate = "unlimited" if args.inter_node_bw == "unlimited" else "100mbit"
+        (tmp_path / sweep.rate_dir(args.inter_node_bw)).mkdir()
+        (tmp_path / sweep.rate_dir(args.inter_node_bw) / "results.json").write_text(json.dumps(fake["results"][rate]))
+
+    args = argparse.Namespace(out=str(tmp_path), inter_node_bws=["100mbit", "unlimited"], no_report=False)
+    sweep.run_sweep(args, run_one)
+    assert (tmp_path / "sweep.md").exists() and not (tmp_path / "speedup_vs_bandwidth.png").exists()
+    assert "no speed-up plot" in capsys.readouterr().out

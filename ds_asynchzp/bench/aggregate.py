@@ -52,8 +52,15 @@ def boundary_figures(by_rank: list, n_steps: int, warmup: int) -> dict:
     critical = _boundary_per_step(by_rank, n_steps, lambda b: b["critical_path_s"])
     phases = {kind: _steady_median(_boundary_per_step(by_rank, n_steps, lambda b, k=kind: b["phase_s"][k]), warmup)
               for kind in BOUNDARY_PHASES} if wall is not None else None
+    # After the exchange: the window less the sums' busy time in it (they run first, back to back on the boundary
+    # thread), what the host step, the copies and the step's own work take once the gradients are summed.
+    after = _boundary_per_step(by_rank, n_steps, lambda b: b["wall_s"] - b["phase_s"]["sum"])
+    after_critical = _boundary_per_step(by_rank, n_steps, lambda b: None if b["critical_path_s"] is None
+                                        else b["critical_path_s"] - b["phase_s"]["sum"])
     return {"boundary_wall_s": _steady_median(wall, warmup),
             "boundary_critical_path_s": _steady_median(critical, warmup),
+            "boundary_after_exchange_s": _steady_median(after, warmup),
+            "boundary_after_exchange_critical_path_s": _steady_median(after_critical, warmup),
             "boundary_phase_s": phases,
             "boundary_other_s": _steady_median(_boundary_per_step(by_rank, n_steps, lambda b: b["other_s"]), warmup),
             "boundary_chunks": (by_rank[0]["steps"][0].get("boundary") or {}).get("chunks")}
@@ -255,6 +262,8 @@ def merge_repeats(entries: list) -> dict:
         "cpu_s_per_step": e.get("cpu_s_per_step"),
         "boundary_wall_s": e.get("boundary_wall_s"),
         "boundary_critical_path_s": e.get("boundary_critical_path_s"),
+        "boundary_after_exchange_s": e.get("boundary_after_exchange_s"),
+        "boundary_after_exchange_critical_path_s": e.get("boundary_after_exchange_critical_path_s"),
         "losses_identical_to_first": e["losses"] == entries[0]["losses"],
     } for e in entries]
     medians = [e["median_step_time_s"] for e in entries]
@@ -275,7 +284,8 @@ def merge_repeats(entries: list) -> dict:
     # Like step time: the median over repeats of each repeat's steady-state median. The per-step lists and the
     # timeline stay the first repeat's (each repeat's lists are under "repeats").
     for key in ("exposed_comm_s_per_step", "comm_busy_s_per_step", "cpu_s_per_step", "boundary_wall_s",
-                "boundary_critical_path_s", "boundary_other_s"):
+                "boundary_critical_path_s", "boundary_other_s", "boundary_after_exchange_s",
+                "boundary_after_exchange_critical_path_s"):
         values = [e[key] for e in entries if e.get(key) is not None]
         merged[key] = statistics.median(values) if values else None
     phases = [e["boundary_phase_s"] for e in entries if e.get("boundary_phase_s")]

@@ -12,6 +12,10 @@ def _s(value) -> str:
     return "n/a" if value is None else f"{value:.3f}"
 
 
+def _ratio(value, reference) -> str:
+    return f"{value / reference:.3f}" if value is not None and reference else "n/a"
+
+
 def _host_step(results: dict, arm: str) -> str:
     """How the arm's optimizer steps: on the device, or on the host whole or in pieces (`offload_pipeline`)."""
     if not is_offload_arm(results, arm):
@@ -28,18 +32,20 @@ def format_boundary_table(results: dict) -> list[str]:
     measured = {a: e for a, e in arms.items() if e.get("boundary_wall_s") is not None}
     if not measured:
         return []
-    serial = [e.get("boundary_critical_path_s") for a, e in measured.items()
-              if _host_step(results, a) == "host, whole" and e.get("boundary_critical_path_s")]
-    reference = serial[0] if serial else None
+    serial = [e for a, e in measured.items() if _host_step(results, a) == "host, whole"]
+    reference = serial[0] if serial else {}
     header = ["arm", "host step", "median step s", "boundary wall s", "critical path s",
-              "wall / serial's critical path", *(f"{k} s" for k in BOUNDARY_PHASES), "other s"]
+              "wall / serial's critical path", "after exchange s", "its critical path s",
+              "after exchange / serial's", *(f"{k} s" for k in BOUNDARY_PHASES), "other s"]
     rows = []
     for arm, entry in arms.items():
         phases = entry.get("boundary_phase_s") or {}
-        wall = entry.get("boundary_wall_s")
+        wall, after = entry.get("boundary_wall_s"), entry.get("boundary_after_exchange_s")
         rows.append([arm, _host_step(results, arm),
                      _s(entry.get("median_step_time_s")), _s(wall), _s(entry.get("boundary_critical_path_s")),
-                     f"{wall / reference:.3f}" if wall is not None and reference else "n/a",
+                     _ratio(wall, reference.get("boundary_critical_path_s")), _s(after),
+                     _s(entry.get("boundary_after_exchange_critical_path_s")),
+                     _ratio(after, reference.get("boundary_after_exchange_critical_path_s")),
                      *(_s(phases.get(k)) for k in BOUNDARY_PHASES), _s(entry.get("boundary_other_s"))])
     clip = (results.get("config") or {}).get("gradient_clipping", "?")
     return ["## Optimizer offload: the step boundary", "",
@@ -55,7 +61,11 @@ def format_boundary_table(results: dict) -> list[str]:
             "times are arranged ideally (a lower bound: training-thread work under another thread's phase is not "
             "in other); the host step waits for the whole exchange with and without clipping (DeepSpeed "
             "0.19.8 skips a step whose global norm is not finite in every precision), and the refresh runs on "
-            "after the step returns. wall / serial's critical path: against the arm whose host step runs whole. "
+            "after the step returns. wall / serial's critical path: against the arm whose host step runs whole. After "
+            "exchange: the same window less the sums' busy time in it (they come first), and its critical path "
+            "likewise: what the host step, the copies and the step's own work take once the gradients are summed, "
+            "the part the host step's pipeline changes; the sums' tail before it varies from step to step with where "
+            "the backward ends, for every arm alike. "
             f"Gradient clipping {clip}. An arm with its optimizer on the device has the same window (its sum and its "
             "step's own work).", ""]
 

@@ -57,8 +57,11 @@ def run_sweep(args: argparse.Namespace, run_one: Callable[[argparse.Namespace], 
     (out / "sweep.md").write_text(table + "\n", encoding="utf-8")
     print("\n" + table, flush=True)
     if not args.no_report:
-        plot_speedup(loaded, out / "speedup_vs_bandwidth.png")
-        print(f"plot: {out / 'speedup_vs_bandwidth.png'}", flush=True)
+        if any(REFERENCE_ARM in per for per in step_times(loaded).values()):
+            plot_speedup(loaded, out / "speedup_vs_bandwidth.png")
+            print(f"plot: {out / 'speedup_vs_bandwidth.png'}", flush=True)
+        else:
+            print(f"no speed-up plot: the sweep ran no {REFERENCE_ARM} arm to compare with", flush=True)
     return sweep
 
 

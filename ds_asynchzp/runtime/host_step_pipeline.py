@@ -5,8 +5,9 @@ Stage 3 steps a sub-group whole: DeepSpeedCPUAdam over all of it, then a blockin
 weights into the parameter shard's own row, then (here) the sub-group's refresh. While a rank's shard fits one
 `sub_group_size` (1e9 elements by default) that is one sub-group, so nothing overlaps the host step. Here Stage 3's
 step of the sub-group runs as it is (DeepSpeedCPUAdam.step: its state, step count and torch's step hooks), and its
-one call of the C++ update is cut into pieces at the refresh's chunk edges
-(`deepspeed_internals.cpu_adam_update_in_pieces`). For each piece in column order:
+one call of the C++ update is cut into pieces at the refresh's chunk edges, each of at least `MIN_PIECE_ELEMENTS`
+(`deepspeed_internals.cpu_adam_update_in_pieces`); a sub-group smaller than two of them is one piece. For each
+piece in column order:
 
 1. the host blocks until the copies to the host of the gradient chunks that hold it have ended;
 2. its gradients are scaled (Stage 3's unscale and clip factor, the same value for every piece);
@@ -39,16 +40,24 @@ from ..platform.deepspeed_internals import (cpu_adam_update_in_pieces, host_step
 # Elements: a multiple of every vector width DeepSpeed's CPU Adam is built for (AVX-512: 16 fp32, AVX2: 8,
 # NEON: 4), with room for a wider one.
 VECTOR_ALIGNMENT = 64
+# Elements a piece holds at least (adjacent chunks are merged up to it). A piece costs the host about 0.3-0.4 ms
+# of its own (the loop's bookkeeping, an OpenMP fork and join in the C++ update, the staging cast, the refresh's
+# submission), measured on the 2-core test host, where a piece per chunk (33 pieces of 110K elements, a 3 ms host
+# step) made the step's end 15 ms longer (docs/benchmarks/2026-11-29-offload-pipeline-2x2-medium-fp32). At the
+# C++ update's 1.4 G elements/s measured there, 2^22 elements are about 3 ms of host step: ten times that cost.
+MIN_PIECE_ELEMENTS = 1 << 22
 
 
-def piece_edges(start: int, end: int, chunk_ends: List[int], alignment: int = VECTOR_ALIGNMENT) -> List[int]:
-    """The end columns of the pieces of columns [start, end): each chunk end inside it, moved down to a multiple of
-    `alignment` from `start` (empty pieces dropped), then `end`."""
+def piece_edges(start: int, end: int, chunk_ends: List[int], alignment: int = VECTOR_ALIGNMENT,
+                min_elements: int = 1) -> List[int]:
+    """The end columns of the pieces of columns [start, end): chunk ends inside it, moved down to a multiple of
+    `alignment` from `start`, each kept where the piece it ends holds at least `min_elements` and leaves at least
+    that many to `end`; then `end`."""
     edges = []
     for chunk_end in chunk_ends:
         if start < chunk_end < end:
             edge = start + (chunk_end - start) // alignment * alignment
-            if edge > (edges[-1] if edges else start):
+            if edge - (edges[-1] if edges else start) >= max(1, min_elements) and end - edge >= min_elements:
                 edges.append(edge)
     return edges + [end]
 
@@ -100,7 +109,8 @@ class PipelinedHostStep:
         buffer = placement.trainable
         start = buffer.columns[first.ds_id].offset
         master = offload_master(opt, sub_group_id)
-        edges = piece_edges(start, start + master.numel(), placement.boundary.chunk_ends(buffer))
+        edges = piece_edges(start, start + master.numel(), placement.boundary.chunk_ends(buffer),
+                            min_elements=MIN_PIECE_ELEMENTS)
         self.to_device.reserve(max(hi - lo for lo, hi in zip([start, *edges], edges)), buffer.data.dtype)
         if not self._began:
             self.to_device.begin()
@@ -137,4 +147,4 @@ class PipelinedHostStep:
         self._factor = None
 
 
-__all__ = ["PipelinedHostStep", "piece_edges", "unscale_factor", "VECTOR_ALIGNMENT"]
+__all__ = ["PipelinedHostStep", "piece_edges", "unscale_factor", "MIN_PIECE_ELEMENTS", "VECTOR_ALIGNMENT"]

@@ -4,8 +4,9 @@ DeepSpeed's ZeRO-3 internals move between releases (MiCS rotted exactly this way
 release and checks, at import, that each private symbol it touches is still where it expects it. A failed
 check names what moved instead of failing later in the middle of a training step.
 
-Nothing outside this module may reach into a private DeepSpeed attribute; the rest of the package goes
-through the small helpers below.
+Nothing outside this package (this module, `offload.py` for the optimizer-offload path and `zeropp.py` for stock
+ZeRO++'s seams) may reach into a private DeepSpeed attribute; the rest of the package goes through the small
+helpers here, all importable from this module.
 """
 
 from __future__ import annotations
@@ -25,11 +26,10 @@ from deepspeed.runtime.zero.partition_parameters import Init as _ZeroInit
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.utils import groups as _ds_groups
-import torch
 
 SUPPORTED_DEEPSPEED_VERSION = "0.19.8"
 
-from ..errors import DeepSpeedInternalsError
+from ...errors import DeepSpeedInternalsError
 
 # Name-mangled members of DeepSpeedZeroOptimizer_Stage3 that the hierarchical optimizer overrides or reads.
 STAGE3_AVG_SCATTER_GRADS = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
@@ -257,105 +257,9 @@ def rehome_stage3_grad_partitions(optimizer: DeepSpeedZeroOptimizer_Stage3, part
     by_id.update(partition_of_param)
 
 
-def offload_grad_norm(optimizer: DeepSpeedZeroOptimizer_Stage3, param, grad) -> None:
-    """The first half of Stage 3's boundary copy: the norm of one parameter's reduced gradient partition, which
-    the offload path's clipping sums (`complete_grad_norm_calculation_for_cpu_offload`)."""
-    optimizer.norm_for_param_grads[optimizer.get_param_id(param)] = optimizer._constant_buffered_norm2(grad)
-
-
-def offload_grad_norms(optimizer: DeepSpeedZeroOptimizer_Stage3) -> list:
-    """The per-parameter gradient norms recorded this window (device tensors the step reads, then forgets)."""
-    return list(optimizer.norm_for_param_grads.values())
-
-
-def offload_host_grad(optimizer: DeepSpeedZeroOptimizer_Stage3, param):
-    """The host optimizer's fp32 gradient elements of one parameter's partition (a view into its sub-group's)."""
-    group, offset, numel = optimizer.grad_position[optimizer.get_param_id(param)]
-    return optimizer.fp32_partitioned_groups_flat[group].grad.narrow(0, offset, numel)
-
-
-def offload_reduced_since_step(optimizer: DeepSpeedZeroOptimizer_Stage3) -> set:
-    """The ids of the parameters reduced since the last step: what Stage 3's unmanaged offload boundary copies
-    (its `partition_grads` records them; the hierarchical one replaces that and records them itself)."""
-    return optimizer._offload_boundary_param_ids
-
-
 def stage3_sub_groups(optimizer: DeepSpeedZeroOptimizer_Stage3):
     """Stage 3's trainable sub-groups (each one partition group), in the order of its flat buffers."""
     return optimizer.fp16_groups
-
-
-# DeepSpeedCPUAdam's member a host step in pieces swaps (`cpu_adam_update_in_pieces`), and Stage 3's (set under offload
-# only), checked where they are first used.
-_CPU_ADAM_MEMBERS = ("ds_opt_adam",)
-_STAGE3_OFFLOAD_MEMBERS = ("subgroup_to_device", "torch_autocast_gradscaler", "zenflow", "loss_scale", "clip_grad",
-                           "fp32_partitioned_groups_flat")
-
-
-def host_step_in_pieces_refusal(optimizer: DeepSpeedZeroOptimizer_Stage3, sub_group_id: int) -> str | None:
-    """Why Stage 3's host step of a sub-group cannot be taken piece by piece (`cpu_adam_update_in_pieces`); None when
-    it can: DeepSpeedCPUAdam on the host, none of the paths that wrap or replace its step."""
-    from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-    host = optimizer.optimizer
-    if type(host) is not DeepSpeedCPUAdam:
-        return f"the host optimizer is {type(host).__name__}, not DeepSpeedCPUAdam"
-    missing = ([f"DeepSpeedCPUAdam.{m}" for m in _CPU_ADAM_MEMBERS if not hasattr(host, m)]
-               + [f"DeepSpeedZeroOptimizer_Stage3.{m}" for m in _STAGE3_OFFLOAD_MEMBERS if not hasattr(optimizer, m)])
-    if missing:
-        raise DeepSpeedInternalsError("ds_asynchzp cannot use the installed DeepSpeed: " + ", ".join(missing)
-                                      + " no longer set (the host step in pieces, async_hzp.offload_pipeline)")
-    if optimizer.subgroup_to_device[sub_group_id] != "cpu":
-        return "offload_optimizer.ratio keeps this sub-group's step on the device"
-    if optimizer.torch_autocast_gradscaler or optimizer.zenflow:
-        return "torch autocast's grad scaler or ZenFlow wraps the host step"
-    return None
-
-
-@contextlib.contextmanager
-def cpu_adam_update_in_pieces(optimizer: DeepSpeedZeroOptimizer_Stage3, run_pieces: Callable) -> Iterator[None]:
-    """Inside, Stage 3's host step of a sub-group runs as it is (`_optimizer_step` -> DeepSpeedCPUAdam.step: its
-    state, step count, torch's step hooks), except that DeepSpeedCPUAdam's one call of its C++ update goes to
-    `run_pieces(update)`, where `update(lo, hi)` runs that call on elements [lo, hi) of the sub-group. No call (a
-    sub-group without gradient, which stock skips) leaves `run_pieces` uncalled.
-
-    Every call passes the step's number: the C++ optimizer advances its bias corrections on the first and keeps
-    them for the others (cpu_adam.h `IncrementStep`). An element stays on the path (vector body or scalar tail)
-    the whole call gives it when every piece but the last starts and ends at a multiple of the vector width from
-    the sub-group's start."""
-    host = optimizer.optimizer
-    op = host.ds_opt_adam
-
-    class PiecewiseOp:
-        def __getattr__(self, name):
-            return getattr(op, name)
-
-        @staticmethod
-        def adam_update(*args):
-            head, tensors = args[:-4], args[-4:]   # ..., params, grads, exp_avg, exp_avg_sq
-            run_pieces(lambda lo, hi: op.adam_update(*head, *(t[lo:hi] for t in tensors)))
-
-    host.ds_opt_adam = PiecewiseOp()
-    try:
-        yield
-    finally:
-        host.ds_opt_adam = op
-
-
-def uses_muon(optimizer: DeepSpeedZeroOptimizer_Stage3) -> bool:
-    """Whether Stage 3 orthogonalises gradients with Muon before its step (it reads the host gradients first)."""
-    return bool(optimizer.use_muon)
-
-
-def offload_master(optimizer: DeepSpeedZeroOptimizer_Stage3, sub_group_id: int):
-    """A sub-group's fp32 master weights on the host (their `.grad`: the host gradients)."""
-    return optimizer.fp32_partitioned_groups_flat[sub_group_id]
-
-
-def stage3_unflatten_sub_group(optimizer: DeepSpeedZeroOptimizer_Stage3, sub_group_id: int) -> None:
-    """The end of Stage 3's `_reassign_or_swap_out_partitioned_parameters` after its copy: each parameter's
-    partition points at its piece of the sub-group's flat buffer."""
-    optimizer._unflatten_partitioned_parameters(sub_group_id)
 
 
 # ------------------------------------------------------------------------------------------ parameter state
@@ -574,144 +478,29 @@ def _check_autoep_internals() -> None:
 _check_autoep_internals()
 
 
-# ------------------------------------------------------------------------------- stock ZeRO++ on CPU ranks
-# Stock qwZ (zero.Init's CUDAQuantizer) and qgZ (coalesced_collectives.all_to_all_quant_reduce) load DeepSpeed's
-# quantizer with `deepspeed.ops.op_builder.QuantizerBuilder().load()` when they first run, looking the builder up
-# as a module attribute, and cache the loaded module (`CUDAQuantizer.quantizer_cuda_module`,
-# `coalesced_collectives.quantizer_module`). On the CPU accelerator the builder is a NotImplementedBuilder whose
-# load() raises. ds_asynchzp.ops.zeropp is a CPU module with the CUDA module's functions.
-def _zeropp_quantizer_seams():
-    """(deepspeed.ops.op_builder, NotImplementedBuilder, [(owner, cache attribute)]), or DeepSpeedInternalsError
-    naming what moved."""
-    problems = []
-    try:
-        from deepspeed.ops import op_builder
-        from deepspeed.ops.op_builder.cpu import NotImplementedBuilder
-        from deepspeed.runtime.comm import coalesced_collectives
-        from deepspeed.runtime.zero.partition_parameters import CUDAQuantizer
-    except ImportError as error:
-        raise DeepSpeedInternalsError(f"ds_asynchzp cannot use the installed DeepSpeed: {error} (stock ZeRO++'s "
-                                      "quantizer seams)") from error
-    if not hasattr(op_builder, "QuantizerBuilder"):
-        problems.append("deepspeed.ops.op_builder.QuantizerBuilder is gone (the builder stock ZeRO++ loads)")
-    if getattr(coalesced_collectives, "op_builder", None) is not op_builder:
-        problems.append("deepspeed.runtime.comm.coalesced_collectives no longer reaches QuantizerBuilder through "
-                        "deepspeed.ops.op_builder (qgZ's quantizer)")
-    caches = [(CUDAQuantizer, "quantizer_cuda_module"), (coalesced_collectives, "quantizer_module")]
-    problems += [f"{getattr(owner, '__qualname__', owner.__name__)}.{name} is gone (the loaded quantizer's cache)"
-                 for owner, name in caches if not hasattr(owner, name)]
-    if problems:
-        raise DeepSpeedInternalsError("ds_asynchzp cannot use the installed DeepSpeed:\n  - " + "\n  - ".join(problems))
-    return op_builder, NotImplementedBuilder, caches
+# The offload path's and stock ZeRO++'s private names, in modules of their own (each checks what it can at import).
+from .offload import (  # noqa: E402
+    offload_grad_norm,
+    offload_grad_norms,
+    offload_host_grad,
+    offload_reduced_since_step,
+    host_step_in_pieces_refusal,
+    cpu_adam_update_in_pieces,
+    uses_muon,
+    offload_master,
+    stage3_unflatten_sub_group,
+)
+from .zeropp import (  # noqa: E402
+    CPUZeroppQuantizerBuilder,
+    install_cpu_zeropp_quantizer,
+    hpz_groups_while_built,
+    hierarchical_copy_refusal,
+    give_hierarchical_copies,
+)
 
-
-_zeropp_quantizer_seams()
-
-
-class CPUZeroppQuantizerBuilder:
-    """Stands in for DeepSpeed's QuantizerBuilder where DeepSpeed has none: `load()` is ds_asynchzp.ops.zeropp."""
-
-    NAME = "ds_asynchzp_cpu_zeropp_quantizer"
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def is_compatible(self, verbose=False) -> bool:
-        return True
-
-    def absolute_name(self) -> str:
-        return "ds_asynchzp.ops.zeropp"
-
-    def load(self, verbose=True):
-        from ..ops import zeropp
-
-        return zeropp
-
-
-def install_cpu_zeropp_quantizer() -> bool:
-    """Let unchanged stock ZeRO++ (hpZ, qwZ, qgZ) run on CPU ranks; returns whether the CPU quantizer is in place.
-
-    Only where DeepSpeed's own quantizer is missing (its CPU accelerator answers QuantizerBuilder with a
-    NotImplementedBuilder): rebinds `deepspeed.ops.op_builder.QuantizerBuilder` to `CPUZeroppQuantizerBuilder`
-    and seeds the two empty caches of the loaded module with `ds_asynchzp.ops.zeropp`. Elsewhere (a CUDA
-    accelerator's own builder) it changes nothing and returns False. Idempotent; each rank calls it after
-    `import deepspeed`, before `deepspeed.initialize`."""
-    op_builder, not_implemented, caches = _zeropp_quantizer_seams()
-    current = op_builder.QuantizerBuilder
-    if current is not CPUZeroppQuantizerBuilder:
-        if not (isinstance(current, type) and issubclass(current, not_implemented)):
-            return False
-        op_builder.QuantizerBuilder = CPUZeroppQuantizerBuilder
-    module = CPUZeroppQuantizerBuilder().load()
-    for owner, name in caches:
-        if getattr(owner, name) is None:
-            setattr(owner, name, module)
-    return True
-
-
-__all__ += ["CPUZeroppQuantizerBuilder", "install_cpu_zeropp_quantizer"]
-
-
-@contextlib.contextmanager
-def hpz_groups_while_built(size: int) -> Iterator[None]:
-    """ZeRO++'s hierarchical-partition groups of `size` ranks, for the engines built inside the context only.
-
-    DeepSpeed 0.19.8 builds a parameter-only engine (no optimizer) with hpZ by calling `_set_zero_group_parallelism`,
-    a method only Stage 3's optimizer has (engine.py, the `DummyOptim` branch of `_configure_zero_optimizer`), and
-    skips that call when the groups exist: they are made here first (collective over the world). DeepSpeed keeps
-    them in a module global that every later ZeRO-3 engine reads at construction, and would then give hpZ to
-    engines whose config does not ask for it; each parameter keeps its group, so the global is put back after."""
-    previous = _ds_groups._ZERO_PARAM_INTRA_PARALLEL_GROUP
-    _ds_groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
-    _ds_groups._create_zero_param_parallel_group(size)
-    try:
-        yield
-    finally:
-        _ds_groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = previous
-
-
-def hierarchical_copy_refusal(params: list, offload_device: str | None) -> str | None:
-    """Why parameters that zero.Init partitioned when the model was built cannot be given hpZ's copy
-    (`give_hierarchical_copies`) as they are (None: they can). `offload_device` is the engine's
-    ``offload_param.device`` ("cpu", "nvme" or None), where the conversion puts their partitions again."""
-    world = ds_comm.get_world_size()
-    if not all(hasattr(p, "ds_id") and ds_comm.get_world_size(group=p.ds_process_group) == world for p in params):
-        return ("deepspeed.zero.Init partitioned them over a group other than the world, or only some of them, "
-                "when the model was built; DeepSpeed keeps that partitioning")
-    if offload_device == "nvme" or any(getattr(p, "nvme_swapper", None) is not None for p in params):
-        return "their partitions are swapped to NVMe (offload_param), which keeps stock's partitioning"
-    from deepspeed.accelerator import get_accelerator
-
-    where = "cpu" if offload_device == "cpu" else get_accelerator().device_name()   # "cpu" on CPU ranks
-    moved = sorted({p.ds_tensor.device.type for p in params if p.ds_tensor is not None} - {where})
-    if moved:
-        return (f"zero.Init put their partitions on {', '.join(moved)} and the engine's offload_param puts them on "
-                f"{where}; converting them would move them, so they keep stock's partitioning")
-    return None
-
-
-def give_hierarchical_copies(params: list, ds_config: dict) -> None:
-    """Give parameters that zero.Init partitioned over the world hpZ's copy partitioned inside the node, as stock
-    gives the parameters of a model built without zero.Init under ``zero_hpz_partition_size`` (call inside
-    `hpz_groups_while_built`).
-
-    A converted parameter's gather and partition closures belong to the zero.Init context that built it, which
-    holds the hpZ group, and other models built in that context share it; so each parameter is converted again by
-    a zero.Init of its own (never entered: it only converts): gathered once over the world through its old
-    closures, converted, and partitioned, which writes both the primary partition (over the world, as before) and
-    the copy over the node's group from the full values. The engine's module fetches read the copy inside the node
-    (a direct ``param.all_gather()``, `GatheredParameters`, still reads the partitions over the world); the values
-    are the gathered ones, bit for bit. What the first conversion decided stays: which parameters persist, and the
-    zero.Init class state a conversion writes (the persistence budget, whether ``Module.apply`` is patched)."""
-    kept = (_ZeroInit.num_persisted_parameters, _ZeroInit.num_persisted_elements, _ZeroInit.override_module_apply)
-    converter = _ZeroInit(config_dict_or_path=ds_config,
-                          zero_param_parallel_group=_ds_groups._get_zero_param_intra_parallel_group())
-    try:
-        for param in params:
-            persist = param.ds_persist
-            param.all_gather()
-            converter._convert_to_deepspeed_param(param)
-            param.ds_persist = persist
-            param.partition()
-    finally:
-        _ZeroInit.num_persisted_parameters, _ZeroInit.num_persisted_elements, _ZeroInit.override_module_apply = kept
+__all__ += [
+    "offload_grad_norm", "offload_grad_norms", "offload_host_grad", "offload_reduced_since_step",
+    "host_step_in_pieces_refusal", "cpu_adam_update_in_pieces", "uses_muon", "offload_master",
+    "stage3_unflatten_sub_group", "CPUZeroppQuantizerBuilder", "install_cpu_zeropp_quantizer",
+    "hpz_groups_while_built", "hierarchical_copy_refusal", "give_hierarchical_copies",
+]
