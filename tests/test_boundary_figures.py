@@ -91,3 +91,26 @@ def test_the_timeline_gives_each_boundary_phase_a_lane(tmp_path):
     path = tmp_path / "timeline.png"
     assert timeline_plot.plot_timelines({"asynchzp-offload": {"timeline": timeline, "timeline_step": 2}}, path) == []
     assert path.stat().st_size > 30_000
+
+
+def test_reaggregate_rebuilds_an_arm_from_its_rank_records(tmp_path):
+    """A run's arm entries again from the rank records under its logs: the figures the aggregation adds appear, and
+    what it had is kept."""
+    import json
+
+    from ds_asynchzp.bench.reaggregate import reaggregate
+
+    ranks = _ranks_with_boundaries(walls=[[9.0, 1.0, 3.0], [5.0, 2.0, 2.0]], paths=[[9.0, 0.5, 1.0], [1.0, 1.0, 2.5]])
+    for repeat in (1, 2):
+        workdir = tmp_path / "logs" / f"asynchzp-{repeat}"
+        workdir.mkdir(parents=True)
+        for rank in ranks:
+            (workdir / f"rank{rank['rank']}.result.json").write_text(json.dumps({"ok": True, "result": rank}))
+    old = {"median_step_time_s": 2.0, "wall_time_s": 12.5}
+    (tmp_path / "results.json").write_text(json.dumps({
+        "config": {"nproc": 2, "warmup_steps": 1, "tokens_per_optimizer_step": 0}, "arms": {"asynchzp": old}}))
+    assert reaggregate(tmp_path) == ["asynchzp"]
+    entry = json.loads((tmp_path / "results.json").read_text())["arms"]["asynchzp"]
+    assert entry["boundary_wall_s"] == 2.5 and len(entry["repeats"]) == 2 and entry["wall_time_s"] == 12.5
+    # Each rank's wall less its own sums (0.1 and 0.2 s): steps 2 and 3 give max(0.9, 1.8) and max(2.9, 1.8).
+    assert entry["boundary_after_exchange_s"] == pytest.approx((1.8 + 2.9) / 2)

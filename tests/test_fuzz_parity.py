@@ -6,8 +6,8 @@ and toggled subsets, bf16 frozen parameters in an fp32 model, prime and 1-elemen
 activation checkpointing), a random layout (d_p, d_g, d_o over 4 or 8 ranks in nodes of 2 or 4), random ZeRO-3
 knobs (DeepSpeed's defaults, forced regather, or a random mix of prefetch, persistence, live parameters, reuse,
 overlap_comm, contiguous gradients, reduce_scatter, bucket size), gradient accumulation 1 to 4, clipping on or
-off, async_comm on or off, optimizer offload on or off, Ulysses sequence parallelism (sp 2, with an attention block)
-or not, and training-loop events (a parameter read and edited through GatheredParameters). It trains under stock
+off, async_comm on or off, optimizer offload on or off (its host step in pieces or whole, `offload_pipeline`),
+Ulysses sequence parallelism (sp 2, with an attention block) or not, and training-loop events (a parameter read and edited through GatheredParameters). It trains under stock
 ZeRO-3 and under AsyncHZP on the same ranks (with the same offload and SP), and compares.
 
 The verdict (tests/fuzz_verdict.py says why): where AsyncHZP adds the gradients in stock's order (no SP, d_g = N),

@@ -6,7 +6,6 @@ that the repository stays small. Every reader (the report, `asynchzp-plan --chec
 `read_results`, which takes either form, and a path naming `results.json` finds its archived `.gz`.
 
     python -m ds_asynchzp.bench.records archive docs/benchmarks/<run>     # gzip every results.json under it
-    python -m ds_asynchzp.bench.records reaggregate <run dir>             # arm entries again from the rank records
 """
 
 from __future__ import annotations
@@ -50,53 +49,14 @@ def archive(directory) -> list:
     return done
 
 
-def reaggregate(run_dir) -> list:
-    """Rebuild every arm entry of `run_dir`/results.json from the rank records its logs keep
-    (`logs/<arm>[-<repeat>]/rank<r>.result.json`), with this version's aggregation: after the aggregation gains a
-    figure, a run's results get it without running again. Returns the arms rebuilt; the file is rewritten whole."""
-    from .aggregate import aggregate_arm, merge_repeats
-    from .arms import arm_dir_name
-    from .offload import add_offload_figures
-
-    run_dir = Path(run_dir)
-    results = read_results(run_dir / "results.json")
-    config = results["config"]
-    tokens = config.get("tokens_per_optimizer_step") or 0
-    rebuilt = []
-    for arm in list(results["arms"]):
-        name = arm_dir_name(arm)
-        runs = sorted(run_dir.glob(f"logs/{name}-*"), key=lambda d: int(d.name.rsplit("-", 1)[1])) or \
-            [run_dir / "logs" / name]
-        entries = []
-        for workdir in runs:
-            ranks = [json.loads(f.read_text())["result"] for f in sorted(workdir.glob("rank*.result.json"))]
-            if len(ranks) != int(config["nproc"]):
-                raise ValueError(f"{workdir}: {len(ranks)} rank records for {config['nproc']} ranks")
-            entries.append(aggregate_arm(ranks, int(config["warmup_steps"]), tokens))
-        wall = results["arms"][arm].get("wall_time_s")   # the launch's own time, which the records do not hold
-        results["arms"][arm] = dict(merge_repeats(entries), wall_time_s=wall)
-        add_offload_figures(results, arm)
-        rebuilt.append(arm)
-    partial = run_dir / "results.json.partial"
-    partial.write_text(json.dumps(results, indent=1))
-    os.replace(partial, run_dir / "results.json")
-    return rebuilt
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ds_asynchzp.bench.records",
                                      description="Archive a benchmark run's records (gzip every results.json).")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("archive", help="gzip every results.json under DIR").add_argument("directory", type=Path)
-    sub.add_parser("reaggregate", help="rebuild DIR/results.json's arm entries from the rank records under DIR/logs "
-                   "(then regenerate the report: python -m ds_asynchzp.bench.report DIR/results.json)"
-                   ).add_argument("directory", type=Path)
     args = parser.parse_args(argv)
     if not args.directory.is_dir():
         parser.error(f"{args.directory} is not a directory")
-    if args.command == "reaggregate":
-        print(f"rebuilt {', '.join(reaggregate(args.directory))} in {args.directory / 'results.json'}")
-        return 0
     done = archive(args.directory)
     for path, before, after in done:
         print(f"{path}: {before:,} -> {after:,} bytes")
