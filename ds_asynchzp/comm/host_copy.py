@@ -11,15 +11,15 @@ all of them: `host_wait`); the current stream waits for every copy (`wait`) befo
 Back to the device (`ParamsToDevice`): a stepped piece of the host's fp32 master weights, cast on the host into a
 pinned staging slot in the parameter dtype (so what crosses is the parameter's bytes, as stock's copy), then copied
 into the parameter shard's own row on a stream of its own (not behind the window's last copies to the host), never a
-blocking copy on the training thread. Two slots
-alternate: the host casts piece k+1 while piece k crosses, and blocks on a slot's previous copy before it
-rewrites it. The buffer notes the copy on the copy stream, so the piece's refresh waits for it.
+blocking copy on the training thread. Two slots alternate (the second made only once a step has a second piece):
+the host casts piece k+1 while piece k crosses, and blocks on a slot's previous copy before it rewrites it. The
+buffer notes the copy on the copy stream, so the piece's refresh waits for it.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from deepspeed.accelerator import get_accelerator
@@ -95,27 +95,30 @@ class ParamsToDevice:
 
     def __init__(self, copy_stream):
         self.copy_stream = copy_stream
-        self._slots: Dict[torch.dtype, List[torch.Tensor]] = {}   # per parameter dtype: the pinned slots
+        # Per parameter dtype: the pinned slots, each made when first used (a step of one piece uses one).
+        self._slots: Dict[torch.dtype, List[Optional[torch.Tensor]]] = {}
+        self._capacity: Dict[torch.dtype, int] = {}               # elements each slot of a dtype holds
         self._copied: List[object] = [None] * self.SLOTS           # per slot index: event after its latest copy
         self._next = 0
         self._last = None                                          # event after the latest copy of all
 
     def begin(self) -> None:
         """Before the first piece of a step: the copy stream waits for what the current stream did to the own row
-        (its readers before the step: the previous refresh, the gathers, a checkpoint save)."""
+        (its readers before the step: the previous refresh, the gathers, a checkpoint save). Pieces start from the
+        first slot again."""
         streams.wait(streams.record(), self.copy_stream)
+        self._next = 0
 
     def reserve(self, numel: int, dtype: torch.dtype) -> None:
-        """Slots of `dtype` for pieces of up to `numel` elements, made before the pieces (pinning is slow, and a
-        slot replaced while its copy runs would have to be waited for). Grows only."""
-        slots = self._slots.get(dtype)
-        if slots and slots[0].numel() >= numel:
+        """Slots of `dtype` for pieces of up to `numel` elements, sized before the pieces (a slot replaced while its
+        copy runs would have to be waited for). Grows only."""
+        if self._capacity.get(dtype, 0) >= numel:
             return
         for event in self._copied:
             if event is not None:
                 event.synchronize()
-        self._slots[dtype] = [get_accelerator().pin_memory(torch.empty(numel, dtype=dtype))
-                              for _ in range(self.SLOTS)]
+        self._capacity[dtype] = numel
+        self._slots[dtype] = [None] * self.SLOTS
 
     def copy(self, master: torch.Tensor, buffer: ShardedBuffer, start: int, zeroed: Sequence[Tuple[int, int]]) -> None:
         """Copy `master` (host fp32, a stepped piece) into columns [start, start + numel) of `buffer`'s own row;
@@ -129,7 +132,10 @@ class ParamsToDevice:
         event = self._copied[self._next]
         if event is not None:
             event.synchronize()                    # the slot's previous copy has ended
-        staging = self._slots[dtype][self._next][:numel]
+        slots = self._slots[dtype]
+        if slots[self._next] is None:
+            slots[self._next] = get_accelerator().pin_memory(torch.empty(self._capacity[dtype], dtype=dtype))
+        staging = slots[self._next][:numel]
         staging.copy_(master)                      # the cast, on the host
         for lo, hi in zeroed:
             staging[lo - start:hi - start].zero_()
@@ -147,4 +153,4 @@ class ParamsToDevice:
 
     def staging_bytes(self) -> int:
         """Host bytes of the staging slots (pinned where the device has streams)."""
-        return sum(t.numel() * t.element_size() for slots in self._slots.values() for t in slots)
+        return sum(t.numel() * t.element_size() for slots in self._slots.values() for t in slots if t is not None)
