@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..measure.boundary import union_seconds
 from ..platform.ledger import BOUNDARY_PHASES
 
 TRAINING_THREAD = "MainThread"
@@ -68,16 +69,6 @@ def phase_lanes(timeline: dict) -> list[str]:
     """The offload boundary's phases that ran in the step (`platform.ledger.BOUNDARY_PHASES`), one lane each."""
     kinds = {p["kind"] for p in timeline.get("boundary_phases") or []}
     return [kind for kind in BOUNDARY_PHASES if kind in kinds]
-
-
-def union_seconds(intervals) -> float:
-    """Length of the union of (start, end) intervals: overlapping ones are counted once."""
-    total, reach = 0.0, float("-inf")
-    for start, end in sorted(intervals):
-        if end > reach:
-            total += end - max(start, reach)
-            reach = end
-    return total
 
 
 def tag_colors(timelines) -> dict:

@@ -25,14 +25,12 @@ from ..platform.ledger import BOUNDARY_PHASES
 
 
 def union_seconds(intervals) -> float:
-    """Length of the union of (start, end) intervals."""
-    total, cursor = 0.0, None
+    """Length of the union of (start, end) intervals: overlapping ones are counted once (also the timeline's)."""
+    total, reach = 0.0, float("-inf")
     for start, end in sorted(intervals):
-        if cursor is not None:
-            start = max(start, cursor)
-        if end > start:
-            total += end - start
-            cursor = end if cursor is None else max(cursor, end)
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
     return total
 
 
