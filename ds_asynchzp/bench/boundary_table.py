@@ -27,10 +27,11 @@ def _host_step(results: dict, arm: str) -> str:
 
 
 def format_boundary_table(results: dict) -> list[str]:
-    """Markdown lines; empty when no arm recorded its step boundary (no offload arm)."""
+    """Markdown lines; empty without an offload arm that recorded its step boundary (arms without offload record
+    theirs too, shown beside offload arms for comparison)."""
     arms = results.get("arms") or {}
     measured = {a: e for a, e in arms.items() if e.get("boundary_wall_s") is not None}
-    if not measured:
+    if not any(is_offload_arm(results, a) for a in measured):
         return []
     serial = [e for a, e in measured.items() if _host_step(results, a) == "host, whole"]
     reference = serial[0] if serial else {}
